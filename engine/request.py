@@ -1,0 +1,240 @@
+"""Requests, their sampling parameters and their outputs.
+
+Names follow vLLM v1: a :class:`Request` holds ``prompt_token_ids``, ``output_token_ids``,
+``num_computed_tokens`` (tokens whose K/V are in the paged cache) and ``block_ids`` (its block table).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a request. ``WAITING`` -> ``RUNNING`` -> one of the ``FINISHED_*`` states;
+    a preempted request goes back to ``WAITING`` (recompute preemption)."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI/vLLM finish reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; the meanings are vLLM's.
+
+    Attributes:
+        n: number of completions (only 1 is supported by the engine core for now).
+        temperature: 0 means greedy (argmax); > 0 scales the logits.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; -1 (or 0) disables it.
+        min_p: drop tokens whose probability is below ``min_p`` x the top probability; 0 disables.
+        repetition_penalty: > 0; 1 disables. Applied to tokens of the prompt and of the output
+            (CTRL paper, Keskar et al. 2019, as in vLLM and transformers).
+        seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
+        max_tokens: maximum number of generated tokens (>= 1); None means up to the context length.
+        stop: strings that end the completion; they are not included in the text.
+        stop_token_ids: extra token ids that end the completion (the token is kept in ``token_ids``).
+        ignore_eos: keep generating after EOS (benchmarks).
+        skip_special_tokens: drop special tokens from the text.
+
+    Raises:
+        ValueError: from :meth:`validate` when a value is out of range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` naming the first bad one."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.n != 1:
+            raise ValueError(f"n > 1 (parallel sampling) is not supported yet, got n={self.n}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+
+class Request:
+    """One sequence being served.
+
+    Attributes:
+        request_id: unique id (str).
+        prompt_token_ids: prompt tokens (list[int]).
+        output_token_ids: generated tokens so far (list[int]).
+        num_computed_tokens: tokens of ``prompt + output`` whose K/V are in the cache (tokens).
+        block_ids: the block table: physical block ids holding this request's K/V, in order.
+        slot: batch slot (row of the occupancy panel) while running, else None.
+        eos_token_ids: token ids that finish the request unless ``ignore_eos``.
+        max_tokens: effective generation limit (tokens), after clamping to the context length.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+        arrival_time: float | None = None,
+        prompt: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.slot: int | None = None
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.stop_reason: str | int | None = None
+        limit = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        self.max_tokens: int = max(limit if limit is not None else 1, 0)
+        # timings (seconds, time.monotonic())
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        # per-request state owned by other components
+        self.generator = None  # torch.Generator for seeded sampling (sampler)
+        self.detokenizer = None  # IncrementalDetokenizer (engine core)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens (tokens)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``).
+
+    Attributes:
+        index: completion index (0 for n=1).
+        text: full text so far (stop strings removed).
+        token_ids: generated token ids so far.
+        delta: text new since the previous output of this request (streaming).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    delta: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for a request: the whole state so far plus the newest delta.
+
+    ``text``, ``token_ids``, ``delta`` and ``finish_reason`` are those of ``outputs[0]``.
+    ``error`` is set (and ``finish_reason == "error"``) when this request failed alone.
+    ``metrics`` holds timings in seconds: ``arrival_time``, ``first_token_time``, ``finish_time``,
+    ``ttft``, and counts (``num_preemptions``).
+    """
+
+    request_id: str
+    prompt: Any
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def delta(self) -> str:
+        return self.outputs[0].delta
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,221 @@
+"""Per-step, read-only snapshots of the engine's state for the live panels and the benchmarks.
+
+The engine thread calls :meth:`Telemetry.record` once per step; readers (the UI, benches, tests) call
+:meth:`Telemetry.snapshots` / :meth:`Telemetry.stats` from any thread. Snapshots are plain data
+(tuples, dicts of ints and strings), never live engine objects, so readers can keep them.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+PHASE_IDLE = "idle"
+PHASE_PREFILL = "prefill"
+PHASE_DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class SlotSnapshot:
+    """One batch slot (row of the batch) in one step.
+
+    Attributes:
+        slot: slot index in ``[0, max_num_seqs)``.
+        request_id: the request holding the slot, or None when the slot is empty.
+        phase: ``"prefill"`` (computing prompt tokens), ``"decode"`` (one new token), or ``"idle"``
+            (empty, or held but not computed this step, e.g. a finished row under the static policy).
+        num_scheduled_tokens: tokens computed for this request in this step (tokens).
+        num_computed_tokens: tokens in the KV cache for this request after the step (tokens).
+    """
+
+    slot: int
+    request_id: str | None
+    phase: str
+    num_scheduled_tokens: int = 0
+    num_computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """The engine's state after one step.
+
+    Attributes:
+        step: engine step number (starts at 1).
+        time: ``time.monotonic()`` at the end of the step (seconds).
+        duration: wall time of the step (seconds); ``forward_time`` of it went to the model forward.
+        slots: one :class:`SlotSnapshot` per batch slot, length ``max_num_seqs``.
+        block_tables: request id -> physical block ids it holds, for every running request.
+        block_refcount: per physical block, the number of block tables holding it (length num_blocks).
+        block_tokens: per physical block, tokens filled in it (0..block_size).
+        block_reuses: per physical block, how many times it was handed to a request other than its
+            previous owner.
+        cached_blocks: ids of blocks that are free but still hold a findable prefix (prefix caching).
+        num_running / num_waiting: request counts after the step.
+        num_scheduled_tokens: tokens computed in this step (tokens).
+        num_generated_tokens: tokens sampled in this step (tokens).
+        num_preemptions: total preemptions so far.
+        finished: ids of requests that finished in this step.
+        admitted: ids of requests that took a slot in this step.
+    """
+
+    step: int
+    time: float
+    duration: float
+    forward_time: float
+    slots: tuple[SlotSnapshot, ...]
+    block_tables: dict[str, tuple[int, ...]]
+    block_refcount: tuple[int, ...]
+    block_tokens: tuple[int, ...]
+    block_reuses: tuple[int, ...]
+    cached_blocks: frozenset[int]
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    finished: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_refcount)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(1 for r in self.block_refcount if r > 0)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks held by running requests (0..1)."""
+        return self.num_used_blocks / max(1, self.num_blocks)
+
+    def block_owners(self) -> list[list[str]]:
+        """Per physical block, the ids of the requests whose block tables hold it."""
+        owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+        for rid, blocks in self.block_tables.items():
+            for b in blocks:
+                owners[b].append(rid)
+        return owners
+
+
+@dataclass
+class FinishedRequestStats:
+    """Latency record of one finished request (seconds)."""
+
+    request_id: str
+    ttft: float | None
+    tpot: float | None
+    e2e: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class Telemetry:
+    """Thread-safe ring buffer of :class:`StepSnapshot` plus latency records.
+
+    Args:
+        capacity: number of most recent steps kept.
+        max_finished: number of most recent finished-request records kept.
+    """
+
+    capacity: int = 512
+    max_finished: int = 2048
+    _steps: collections.deque = field(init=False)
+    _finished: collections.deque = field(init=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    total_generated_tokens: int = field(init=False, default=0)
+    total_prompt_tokens: int = field(init=False, default=0)
+    total_steps: int = field(init=False, default=0)
+    total_idle_slot_steps: int = field(init=False, default=0)
+    start_time: float = field(init=False, default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self._steps = collections.deque(maxlen=self.capacity)
+        self._finished = collections.deque(maxlen=self.max_finished)
+
+    def record(self, snap: StepSnapshot) -> None:
+        """Append one step's snapshot (engine thread)."""
+        with self._lock:
+            self._steps.append(snap)
+            self.total_steps += 1
+            self.total_generated_tokens += snap.num_generated_tokens
+            self.total_idle_slot_steps += sum(
+                1 for s in snap.slots if s.request_id is not None and s.phase == PHASE_IDLE
+            )
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        """Append the latency record of a finished request (engine thread)."""
+        with self._lock:
+            self._finished.append(stats)
+            self.total_prompt_tokens += stats.num_prompt_tokens
+
+    def snapshots(self, last_n: int | None = None) -> list[StepSnapshot]:
+        """The most recent snapshots, oldest first (at most ``last_n``)."""
+        with self._lock:
+            steps = list(self._steps)
+        return steps if last_n is None else steps[-last_n:]
+
+    def latest(self) -> StepSnapshot | None:
+        with self._lock:
+            return self._steps[-1] if self._steps else None
+
+    def finished_requests(self) -> list[FinishedRequestStats]:
+        with self._lock:
+            return list(self._finished)
+
+    def stats(self, window: float = 5.0) -> dict:
+        """Counters for the panels.
+
+        Returns a dict with ``running``, ``waiting``, ``kv_usage`` (0..1), ``tokens_per_s`` (generated
+        tokens per second over the last ``window`` seconds of steps), ``steps``, ``preemptions``,
+        ``generated_tokens`` and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
+        ``tpot_p99`` (seconds, over the kept finished requests; None when there are none).
+        """
+        with self._lock:
+            steps = list(self._steps)
+            finished = list(self._finished)
+            total_gen = self.total_generated_tokens
+            total_steps = self.total_steps
+        now = time.monotonic()
+        out: dict = {
+            "running": 0,
+            "waiting": 0,
+            "kv_usage": 0.0,
+            "tokens_per_s": 0.0,
+            "steps": total_steps,
+            "preemptions": 0,
+            "generated_tokens": total_gen,
+        }
+        if steps:
+            last = steps[-1]
+            out.update(
+                running=last.num_running,
+                waiting=last.num_waiting,
+                kv_usage=last.kv_usage,
+                preemptions=last.num_preemptions,
+            )
+            recent = [s for s in steps if s.time >= now - window]
+            if recent:
+                span = max(recent[-1].time - (recent[0].time - recent[0].duration), 1e-6)
+                span = max(span, min(window, now - recent[0].time + recent[0].duration))
+                out["tokens_per_s"] = sum(s.num_generated_tokens for s in recent) / span
+        ttfts = [f.ttft for f in finished if f.ttft is not None]
+        tpots = [f.tpot for f in finished if f.tpot is not None]
+        for name, vals in (("ttft", ttfts), ("tpot", tpots)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}"] = _percentile(vals, q)
+        return out

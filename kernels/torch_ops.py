@@ -1,0 +1,148 @@
+"""Torch implementation of the paged-KV-cache kernels: the CPU path and the test oracle.
+
+Layout: see ``kernels/__init__.py`` (``[num_blocks, num_kv_heads, block_size, head_dim]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows into the paged cache.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (modified in place).
+        slot_mapping: ``[num_tokens]`` int32/int64 slot per token; -1 means "do not write".
+    """
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    slots = slot_mapping.to(torch.int64)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    if slots.numel() == 0:
+        return
+    block = slots // block_size
+    offset = slots % block_size
+    # flat row index of (block, head, offset) in a [num_blocks * num_kv_heads * block_size, head_dim] view
+    heads = torch.arange(num_kv_heads, device=slots.device) * block_size
+    rows = ((block * (num_kv_heads * block_size) + offset)[:, None] + heads[None, :]).reshape(-1)
+    key_cache.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim).to(key_cache.dtype))
+    value_cache.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim).to(value_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``[n, max_blocks]`` block ids -> ``[n, num_kv_heads, max_blocks * block_size, head_dim]``."""
+    n, mb = block_ids.shape
+    _, kvh, bs, d = cache.shape
+    g = cache.index_select(0, block_ids.reshape(-1)).view(n, mb, kvh, bs, d)
+    return g.transpose(1, 2).reshape(n, kvh, mb * bs, d)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    seq_lens_list: list[int] | None = None,
+    query_start_loc_list: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed (varlen) batch over the paged KV cache, with GQA.
+
+    Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]`` (its ``q_len`` new
+    tokens, already written to the cache) and has ``seq_lens[b]`` tokens of context in all, so its
+    query row ``i`` sits at position ``seq_lens[b] - q_len + i`` and attends keys ``0..position``.
+    Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32/int64 (entries past a sequence's
+            blocks are ignored).
+        seq_lens: ``[num_seqs]`` int32, context length per sequence including its new tokens (tokens).
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
+        seq_lens_list, query_start_loc_list: the same metadata as Python lists, if the caller has
+            them (saves device->host reads).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. Decode rows (``q_len == 1``) are
+        computed together in one batched matmul; longer chunks one sequence at a time with SDPA.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    lens = seq_lens_list if seq_lens_list is not None else seq_lens.tolist()
+    qsl = query_start_loc_list if query_start_loc_list is not None else query_start_loc.tolist()
+    qlens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+
+    decode = [i for i, q in enumerate(qlens) if q == 1]
+    if decode:
+        _decode_attention(query, key_cache, value_cache, block_tables, lens, qsl, decode, scale, group, out)
+    for b, q_len in enumerate(qlens):
+        if q_len <= 1:
+            continue
+        ctx = lens[b]
+        nblk = (ctx + block_size - 1) // block_size
+        bt = block_tables[b : b + 1, :nblk].to(torch.int64)
+        k = _gather(key_cache, bt)[0, :, :ctx]  # [kvh, ctx, d]
+        v = _gather(value_cache, bt)[0, :, :ctx]
+        q = query[qsl[b] : qsl[b + 1]]  # [q_len, h, d]
+        # fold each KV head's query heads into the query-length dimension: [kvh, group * q_len, d]
+        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        qpos = torch.arange(q_len, device=query.device) + (ctx - q_len)
+        mask = torch.arange(ctx, device=query.device)[None, :] <= qpos[:, None]  # [q_len, ctx]
+        mask = mask.repeat(group, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [kvh, group*q_len, d]
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        out[qsl[b] : qsl[b + 1]] = o
+    return out
+
+
+def _decode_attention(query, key_cache, value_cache, block_tables, lens, qsl, decode, scale, group, out):
+    """All single-token (decode) rows at once: one gather of their blocks, batched matmuls with a
+    length mask, softmax in float32."""
+    _, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    dev = query.device
+    n = len(decode)
+    dlens = [lens[i] for i in decode]
+    max_len = max(dlens)
+    mb = (max_len + block_size - 1) // block_size
+    all_rows = len(decode) == len(lens)
+    rows_idx = None if all_rows else torch.tensor(decode, device=dev)
+    bt = block_tables[:, :mb] if all_rows else block_tables.index_select(0, rows_idx)[:, :mb]
+    bt = bt.to(torch.int64)
+    k = _gather(key_cache, bt)  # [n, kvh, mb*bs, d]
+    v = _gather(value_cache, bt)
+    tok = [qsl[i] for i in decode]
+    q = query[tok[0] : tok[0] + n] if tok == list(range(tok[0], tok[0] + n)) else query[torch.tensor(tok, device=dev)]
+    q = q.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [n, kvh, group, L]
+    scores.mul_(scale)
+    L = k.shape[2]
+    if min(dlens) < L:
+        lens_t = torch.tensor(dlens, device=dev)
+        pad = torch.arange(L, device=dev)[None, :] >= lens_t[:, None]  # [n, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    o = torch.matmul(probs, v).reshape(n, num_heads, head_dim)  # [n, kvh, group, d] -> [n, h, d]
+    if tok == list(range(tok[0], tok[0] + n)):
+        out[tok[0] : tok[0] + n] = o
+    else:
+        out[torch.tensor(tok, device=dev)] = o

@@ -1,0 +1,14 @@
+"""Shared test set-up.
+
+Without CUDA, Triton kernels run through its interpreter: TRITON_INTERPRET must be set before triton is
+first imported, so it is set here, at collection time.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
