@@ -160,6 +160,9 @@ class Request:
         # per-request state owned by other components
         self.generator = None  # torch.Generator for seeded sampling (sampler)
         self.detokenizer = None  # IncrementalDetokenizer (engine core)
+        self.output_text = ""  # text emitted so far (stop strings removed)
+        self.pending_text = ""  # text produced since the last RequestOutput
+        self.cache_salt: str | None = None  # keeps prefix-cache entries apart (per session)
 
     @property
     def num_prompt_tokens(self) -> int:

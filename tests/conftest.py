@@ -12,3 +12,49 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer (chat template included); loaded once."""
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def make_tiny_model(vocab_size: int, seed: int = 0):
+    """A random-weight Llama small enough for fast engine tests (float32, CPU): 2 layers, hidden 64,
+    4 heads, 2 KV heads (GQA 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return make_tiny_model(len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded SmolLM2-135M-Instruct in float32 on CPU, with its tokenizer; loaded once."""
+    from engine.model_loader import load_model
+
+    return load_model(None, "float32", "cpu")
+
+
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy ``generate`` on one prompt alone (the equivalence oracle)."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([input_ids], device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             temperature=None, top_p=None, top_k=None)
+    return out[0, len(input_ids):].tolist()

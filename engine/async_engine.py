@@ -1,0 +1,173 @@
+"""AsyncEngine: a background thread steps an :class:`EngineCore`; asyncio callers stream outputs.
+
+Outputs reach each caller's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; leaving the
+``async for`` early (break, cancellation, client gone) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import RequestOutput, RequestStatus, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Serve many concurrent streams from one :class:`EngineCore`.
+
+    Args:
+        core: the engine to step; :meth:`from_args` builds one.
+        start: start the stepping thread now.
+    """
+
+    def __init__(self, core: EngineCore, start: bool = True) -> None:
+        self.core = core
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errored: BaseException | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_args(cls, model=None, tokenizer=None, **engine_args) -> "AsyncEngine":
+        """Build an engine from :class:`EngineConfig` fields (``model=None`` = embedded default;
+        a preloaded model object needs ``tokenizer``) and start it."""
+        if model is None or isinstance(model, str):
+            core = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
+        else:
+            core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
+        return cls(core)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def telemetry(self):
+        return self.core.telemetry
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        """Start the stepping thread (idempotent)."""
+        if self.is_running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the stepping thread; waits at most ``timeout`` seconds."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.core.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                outputs = self._fail_all(e)
+            for out in outputs:
+                self._deliver(out)
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        sched = self.core.scheduler
+        sched.finished_in_step = []
+        for req in list(sched.running) + list(sched.waiting):
+            sched.finish(req, RequestStatus.FINISHED_ERROR, error=f"engine error: {exc!r}")
+        return self.core._outputs([], sched.finished_in_step)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            entry = self._streams.get(out.request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed
+            self.core.abort_request(out.request_id)
+
+    # ------------------------------------------------------------------ API
+    async def generate(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: each :class:`RequestOutput` carries the new text in ``.delta``;
+        the last one has ``finished=True`` and a ``finish_reason``.
+
+        Args:
+            prompt: a string, a list of chat messages, or a list of token ids.
+            params: sampling parameters (defaults when None).
+            request_id: unique id; a random one when None.
+            cache_salt: keeps this request's prefix-cache entries apart from other salts'.
+
+        Raises:
+            ValueError: invalid prompt or parameters (before any output, nothing allocated).
+            RuntimeError: the engine thread is not running.
+        """
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        rid = request_id or uuid.uuid4().hex
+        req = self.core.make_request(rid, prompt, params, cache_salt)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (loop, q)
+        finished = False
+        try:
+            self.core.enqueue(req)
+            self._wake.set()
+            while True:
+                out: RequestOutput = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks go back within one step. Unknown ids are ignored."""
+        self.core.abort_request(request_id)
+        self._wake.set()
+
+    async def generate_text(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
+        """Run a request to the end and return its final output."""
+        last = None
+        async for out in self.generate(prompt, params, **kw):
+            last = out
+        return last

@@ -1,0 +1,87 @@
+"""Engine settings (``EngineConfig``) and parsing of memory sizes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+POLICIES = ("continuous", "static")
+DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2  # bytes
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_memory(value: int | float | str | None) -> int | float | None:
+    """``"512MiB"``, ``"1.5GB"``, ``"268435456"`` -> bytes (int); a float in (0, 1] -> that fraction of
+    free device memory (returned as float); None -> None.
+
+    Raises:
+        ValueError: for an unreadable size.
+    """
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if 0 < value <= 1:
+            return value
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {value!r}; use e.g. 512MiB, 2GiB, 0.5 (fraction)")
+    num, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and 0 < num <= 1 and "." in m.group(1):
+        return num
+    return int(num * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine.
+
+    Attributes:
+        model: None (embedded SmolLM2-135M-Instruct), a folder, a ``.gguf`` path or a hub id.
+        dtype: ``"bfloat16"``, ``"float32"``, ``"float16"`` or None (auto).
+        device: ``"cpu"``, ``"cuda"`` or None (auto).
+        block_size: tokens per KV block.
+        num_blocks: physical KV blocks; None sizes the pool from ``kv_cache_memory``.
+        kv_cache_memory: KV budget in bytes (int or ``"512MiB"``) or a fraction of free device memory.
+        max_num_seqs: batch slots: requests running at once.
+        max_num_batched_tokens: token budget of one step (tokens).
+        max_model_len: context length (tokens); None = the model's, capped by the KV pool's capacity.
+        policy: ``"continuous"`` or ``"static"`` (comparison only).
+        enable_prefix_caching: reuse cached full blocks of identical prefixes.
+        telemetry_capacity: steps kept in the telemetry ring buffer.
+        seed: seed of the global sampling generator for unseeded requests.
+    """
+
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | float | str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    policy: str = "continuous"
+    enable_prefix_caching: bool = True
+    telemetry_capacity: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown names with a ``TypeError``."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
+        return cls(**kwargs)

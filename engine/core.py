@@ -1,0 +1,312 @@
+"""EngineCore: one engine step = schedule -> forward -> sample -> update -> telemetry.
+
+``add_request`` and ``abort_request`` may be called from any thread: they only validate and put a
+message in an inbox, which :meth:`EngineCore.step` drains on the stepping thread. Everything else
+(scheduler, KV manager, model runner) is touched by the stepping thread alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+
+import torch
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, bytes_per_block
+from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.telemetry import (
+    PHASE_DECODE,
+    PHASE_IDLE,
+    PHASE_PREFILL,
+    FinishedRequestStats,
+    SlotSnapshot,
+    StepSnapshot,
+    Telemetry,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(tokenizer, model) -> frozenset[int]:
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return frozenset(ids)
+
+
+def _num_blocks(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = bytes_per_block(model.config, config.block_size, dtype)
+    budget = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+    if isinstance(budget, float):  # a fraction of free device memory
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        budget = int(free * budget)
+    return max(1, int(budget) // per_block)
+
+
+class EngineCore:
+    """The engine: a scheduler, a KV cache manager, a model runner, a sampler and telemetry.
+
+    Args:
+        config: engine settings; keyword arguments build one when it is None.
+        model, tokenizer: an already loaded transformers model and tokenizer (tests); when None they
+            are loaded from ``config.model``.
+
+    Attributes:
+        max_model_len: context length (tokens): the model's, capped by ``config.max_model_len`` and by
+            the KV pool's capacity, so that a lone request always fits.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer=None, **kwargs) -> None:
+        self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        cfg = self.config
+        if model is None:
+            model, tokenizer = load_model(cfg.model, cfg.dtype, cfg.device)
+        elif tokenizer is None:
+            raise ValueError("a preloaded model needs its tokenizer")
+        self.model = model
+        self.tokenizer = tokenizer
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        num_blocks = _num_blocks(cfg, model, device, dtype)
+        cfg.num_blocks = num_blocks
+        text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        limits = [num_blocks * cfg.block_size, getattr(text_cfg, "max_position_embeddings", None), cfg.max_model_len]
+        self.max_model_len = min(x for x in limits if x)
+        cfg.max_model_len = self.max_model_len
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        self.sampler = Sampler()
+        self.telemetry = Telemetry(capacity=cfg.telemetry_capacity)
+        self.eos_token_ids = _eos_ids(tokenizer, model)
+        self.step_count = 0
+        self.peak_used_blocks = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._aborted_now: list[Request] = []
+
+    # ------------------------------------------------------------------ requests in
+    def tokenize(self, prompt) -> list[int]:
+        """Prompt -> token ids. A string is tokenized as is; a list of ``{"role", "content"}`` dicts
+        is rendered with the chat template (generation prompt added); a list of ints is taken as ids.
+
+        Raises:
+            ValueError: empty or malformed prompt.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.model.config.get_text_config().vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return list(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError("each chat message needs a string 'role' and a string 'content'")
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise ValueError("the prompt is empty")
+        raise ValueError("a prompt must be a string, a list of chat messages or a list of token ids")
+
+    def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and build a :class:`Request` (any thread; touches no engine state).
+
+        Raises:
+            ValueError: bad sampling values, empty prompt, prompt over the context length, or a
+                request that can never fit in the KV pool.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        params.validate()
+        ids = self.tokenize(prompt)
+        req = Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, self.max_model_len, prompt=prompt)
+        req.cache_salt = cache_salt
+        self.scheduler.check_request(req)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        return req
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate a request and queue it for the next step (thread-safe). Raises ``ValueError``."""
+        req = self.make_request(request_id, prompt, params, cache_salt)
+        self.enqueue(req)
+        return req
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by :meth:`make_request` for the next step (thread-safe)."""
+        self._inbox.put(("add", request))
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request at the next step (thread-safe); its blocks go back to the pool."""
+        self._inbox.put(("abort", request_id))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.scheduler.add_request(item)
+                except ValueError as e:  # e.g. a duplicate id: fail that request alone
+                    item.status = RequestStatus.FINISHED_ERROR
+                    item.error = str(e)
+                    self._aborted_now.append(item)
+            else:
+                req = self.scheduler.abort(item)
+                if req is not None:
+                    self._aborted_now.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._inbox.empty()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration. Returns an output for every request that got a token or ended."""
+        t0 = time.monotonic()
+        self._aborted_now = []
+        self._drain_inbox()
+        sched = self.scheduler.schedule()
+        slot_map = list(self.scheduler.slots)
+        changed: list[Request] = []
+        forward_time = 0.0
+        self.scheduler.finished_in_step = []
+        if not sched.is_empty:
+            tf = time.monotonic()
+            try:
+                logits, sampling = self.runner.execute(sched.scheduled)
+                tokens = self.sampler.sample(logits, sampling) if sampling else []
+            except Exception as e:  # fail this step's requests alone; keep serving
+                log.exception("model forward failed")
+                forward_time = time.monotonic() - tf
+                for req, _ in sched.scheduled:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=f"model forward failed: {e!r}")
+            else:
+                forward_time = time.monotonic() - tf
+                changed = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
+        finished = self._aborted_now + self.scheduler.finished_in_step
+        outputs = self._outputs(changed, finished)
+        if not sched.is_empty or finished:
+            self.step_count += 1
+            self._record(t0, forward_time, sched, slot_map, changed, finished)
+        return outputs
+
+    def _outputs(self, changed: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        outs = []
+        seen = set()
+        for req in changed + finished:
+            if req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            delta, req.pending_text = req.pending_text, ""
+            req.output_text += delta
+            outs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    prompt=req.prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), delta,
+                                              req.status.finish_reason, req.stop_reason)],
+                    finished=req.is_finished,
+                    error=req.error,
+                    metrics=self._metrics(req),
+                )
+            )
+        return outs
+
+    @staticmethod
+    def _metrics(req: Request) -> dict:
+        m = {
+            "arrival_time": req.arrival_time,
+            "first_token_time": req.first_token_time,
+            "finish_time": req.finish_time,
+            "num_preemptions": req.num_preemptions,
+            "ttft": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+        }
+        return m
+
+    def _record(self, t0, forward_time, sched: SchedulerOutput, slot_map, changed, finished) -> None:
+        bs = self.config.block_size
+        pool = self.kv.pool
+        n_sched = {r.request_id: n for r, n in sched.scheduled}
+        slots = []
+        for i, r in enumerate(slot_map):
+            if r is None:
+                slots.append(SlotSnapshot(i, None, PHASE_IDLE))
+                continue
+            n = n_sched.get(r.request_id, 0)
+            if n == 0:
+                phase = PHASE_IDLE
+            elif n > 1 or r.num_computed_tokens - n < r.num_prompt_tokens:
+                phase = PHASE_PREFILL
+            else:
+                phase = PHASE_DECODE
+            slots.append(SlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens))
+        tables = {}
+        tokens = [0] * pool.num_blocks
+        for r in self.scheduler.running:
+            tables[r.request_id] = tuple(r.block_ids)
+            for j, b in enumerate(r.block_ids):
+                tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
+        cached = pool.cached_free_blocks()
+        for b in cached:
+            tokens[b] = bs
+        used = pool.num_used_blocks
+        self.peak_used_blocks = max(self.peak_used_blocks, used)
+        now = time.monotonic()
+        self.telemetry.record(
+            StepSnapshot(
+                step=self.step_count,
+                time=now,
+                duration=now - t0,
+                forward_time=forward_time,
+                slots=tuple(slots),
+                block_tables=tables,
+                block_refcount=tuple(pool.ref_cnt),
+                block_tokens=tuple(tokens),
+                block_reuses=tuple(pool.reuses),
+                cached_blocks=frozenset(cached),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_scheduled_tokens=sched.num_scheduled_tokens,
+                num_generated_tokens=len(changed),
+                num_preemptions=self.scheduler.num_preemptions,
+                finished=tuple(r.request_id for r in finished),
+                admitted=tuple(r.request_id for r in sched.admitted),
+            )
+        )
+        for r in finished:
+            n_out = len(r.output_token_ids)
+            ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
+            tpot = None
+            if r.first_token_time is not None and n_out > 1 and r.finish_time is not None:
+                tpot = (r.finish_time - r.first_token_time) / (n_out - 1)
+            self.telemetry.record_finished(
+                FinishedRequestStats(r.request_id, ttft, tpot, (r.finish_time or now) - r.arrival_time,
+                                     r.num_prompt_tokens, n_out, r.status.finish_reason)
+            )

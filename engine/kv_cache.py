@@ -1,0 +1,266 @@
+"""Paged KV cache bookkeeping: the block pool and the per-request block tables.
+
+Only ids and counts live here; the K/V tensors themselves are owned by the model runner (layout in
+``kernels/__init__.py``). The design follows vLLM's v1 KV cache manager (PagedAttention, Kwon et al.,
+SOSP 2023; automatic prefix caching as in vLLM/SGLang): fixed-size blocks, refcounts, an LRU free
+queue, and a hash map from a full block's content hash to the block that holds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import struct
+
+from engine.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str | None = None) -> bytes:
+    """Content hash of a full block: sha256 over the parent block's hash, an optional cache salt and
+    the block's token ids (little-endian uint32 each). Chaining the parent makes the hash identify the
+    whole prefix, not only this block's tokens."""
+    h = hashlib.sha256()
+    h.update(parent_hash or b"\0" * 32)
+    if salt:
+        h.update(salt.encode("utf-8"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()
+
+
+class BlockPool:
+    """``num_blocks`` physical blocks with refcounts, an LRU free queue and a prefix-hash map.
+
+    A block is *free* when its refcount is 0; free blocks wait in ``free_queue`` in the order they
+    were freed, and new blocks are taken from its head (least recently freed first). A free block that
+    still has a hash is *cached-free*: :meth:`touch` can bring it back until it is taken for new data,
+    at which point its hash is dropped (evicted).
+
+    Attributes:
+        ref_cnt: per block, number of block tables holding it.
+        block_hash: per block, its content hash when full and cached, else None.
+        reuses: per block, times it was handed to a request other than its previous owner.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.reuses = [0] * num_blocks
+        self.last_owner: list[str | None] = [None] * num_blocks
+        self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with refcount 0 (cached-free included)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def _mark_owner(self, block_id: int, owner: str | None) -> None:
+        if owner is not None:
+            prev = self.last_owner[block_id]
+            if prev is not None and prev != owner:
+                self.reuses[block_id] += 1
+            self.last_owner[block_id] = owner
+
+    def allocate(self, n: int, owner: str | None = None) -> list[int]:
+        """Take ``n`` free blocks (LRU first), evicting their cached hashes; refcount becomes 1.
+
+        Raises:
+            RuntimeError: when fewer than ``n`` blocks are free (callers check first).
+        """
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[bid]
+            if h is not None:
+                self.block_hash[bid] = None
+                if self.cached.get(h) == bid:
+                    del self.cached[h]
+                self.num_evictions += 1
+            self.ref_cnt[bid] = 1
+            self._mark_owner(bid, owner)
+            out.append(bid)
+        return out
+
+    def touch(self, block_ids: list[int], owner: str | None = None) -> None:
+        """Add one reference to each block (a prefix-cache hit); a cached-free block leaves the free
+        queue."""
+        for bid in block_ids:
+            if self.ref_cnt[bid] == 0:
+                del self.free_queue[bid]
+                self._mark_owner(bid, owner)
+            self.ref_cnt[bid] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block, in the given order; blocks reaching 0 join the tail of
+        the free queue (so the first given is evicted first)."""
+        for bid in block_ids:
+            self.ref_cnt[bid] -= 1
+            if self.ref_cnt[bid] == 0:
+                self.free_queue[bid] = None
+            elif self.ref_cnt[bid] < 0:
+                raise RuntimeError(f"block {bid} freed more often than allocated")
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block holding content ``block_hash``, or None."""
+        return self.cached.get(block_hash)
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Record that full block ``block_id`` holds content ``block_hash``. If another block already
+        holds the same content, the map keeps that one and this block stays uncached."""
+        if self.block_hash[block_id] is not None:
+            return
+        if block_hash in self.cached:
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks that still hold a findable prefix."""
+        return [b for b in self.free_queue if self.block_hash[b] is not None]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash of free blocks."""
+        for b in self.free_queue:
+            h = self.block_hash[b]
+            if h is not None:
+                self.block_hash[b] = None
+                self.cached.pop(h, None)
+
+
+class KVCacheManager:
+    """Per-request block tables over a :class:`BlockPool`: allocation on demand, freeing, and prefix
+    caching.
+
+    Args:
+        num_blocks: physical blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: look up and record full blocks by content hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+        self.block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0..1)."""
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, request: Request, upto_blocks: int) -> list[bytes]:
+        """Hashes of the request's first ``upto_blocks`` full blocks (computed once, then extended)."""
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        if len(hashes) < upto_blocks:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            salt = getattr(request, "cache_salt", None)
+            for i in range(len(hashes), upto_blocks):
+                hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], salt))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks that starts the request's tokens.
+
+        The last token is never counted (it must be computed to give logits), so at most
+        ``(num_tokens - 1) // block_size`` blocks match. Does not take references.
+
+        Returns:
+            ``(block ids, number of tokens they hold)``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._hashes(request, max_blocks):
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
+
+        Args:
+            request: the request; its ``block_ids`` grows in place.
+            num_new_tokens: tokens to compute this step (tokens).
+            computed_blocks: prefix-cache hits to take (only when the request holds no blocks yet).
+            num_lookahead_tokens: extra tokens to reserve (the static policy reserves
+                ``prompt + max_tokens`` up front).
+
+        Returns:
+            The newly allocated block ids (possibly empty), or None when the pool has too few free
+            blocks; then nothing changes.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
+        have = len(request.block_ids) + len(computed_blocks)
+        new = max(0, need - have)
+        # cached-free hits leave the free queue when touched, so they count against what is free
+        hits_in_free = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if new + hits_in_free > self.pool.num_free_blocks:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks, request.request_id)
+            request.block_ids.extend(computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(request.block_ids)
+        new_ids = self.pool.allocate(new, request.request_id) if new else []
+        request.block_ids.extend(new_ids)
+        return new_ids
+
+    def cache_blocks(self, request: Request) -> None:
+        """Record the hashes of the request's full, computed blocks (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self.num_cached_blocks.get(rid, 0)
+        if full <= start:
+            return
+        hashes = self._hashes(request, full)
+        for i in range(start, full):
+            self.pool.cache(request.block_ids[i], hashes[i])
+        self.num_cached_blocks[rid] = full
+
+    def free(self, request: Request) -> None:
+        """Return all the request's blocks to the pool (tail first, so its last blocks are evicted
+        first) and clear its block table. Safe to call twice."""
+        if request.block_ids:
+            self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        self.num_cached_blocks.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's per-request caches (hash list); call when it is finished."""
+        self.block_hashes.pop(request.request_id, None)

@@ -1,0 +1,74 @@
+"""Offline API: ``LLM(...).generate(prompts, params)``, as in vLLM."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """An engine for offline batches.
+
+    Args:
+        model: None for the embedded SmolLM2-135M-Instruct, a folder, a ``.gguf`` path, a hub id, or an
+            already loaded transformers model (then ``tokenizer`` is required).
+        dtype: ``"bfloat16"``, ``"float32"``, ``"float16"`` or None (auto).
+        tokenizer: the tokenizer of a preloaded ``model``.
+        engine_args: any :class:`engine.config.EngineConfig` field (``max_num_seqs``, ``block_size``,
+            ``num_blocks``, ``kv_cache_memory``, ``max_num_batched_tokens``, ``policy``, ...).
+
+    Raises:
+        TypeError: unknown engine argument; ValueError: bad value.
+    """
+
+    def __init__(self, model=None, dtype=None, tokenizer=None, **engine_args) -> None:
+        if model is None or isinstance(model, str):
+            cfg = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
+            self.engine = EngineCore(cfg)
+        else:
+            cfg = EngineConfig.from_kwargs(dtype=dtype, **engine_args)
+            self.engine = EngineCore(cfg, model=model, tokenizer=tokenizer)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    @property
+    def telemetry(self):
+        return self.engine.telemetry
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string, a list of chat messages
+                (``{"role", "content"}`` dicts, rendered with the chat template) or a list of token ids.
+            params: one :class:`SamplingParams` for all, a list with one per prompt, or None (defaults).
+
+        Returns:
+            One finished :class:`RequestOutput` per prompt, in the order of the prompts.
+
+        Raises:
+            ValueError: a bad prompt or sampling value (nothing is run then).
+        """
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and (isinstance(prompts[0], dict) or isinstance(prompts[0], int))
+        )
+        if single:
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        reqs = []
+        for p, sp in zip(prompts, params):
+            self._counter += 1
+            reqs.append(self.engine.make_request(f"offline-{self._counter}", p, sp))
+        for r in reqs:
+            self.engine.enqueue(r)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(reqs):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r.request_id] for r in reqs]

@@ -1,0 +1,197 @@
+"""Runs one forward pass per step over a packed (varlen) batch, against the paged KV cache.
+
+The model is a transformers model (Llama, Qwen2, Mistral, ... definitions) whose attention is ours:
+``paged_attention_forward`` is registered in transformers' ``AttentionInterface`` under
+:data:`ATTN_NAME`. Each step's metadata (:class:`AttentionMetadata`) reaches it as an extra keyword
+argument of ``model(...)``. With ``attention_mask=None``, ``use_cache=False`` and no mask function
+registered for our name, transformers builds no ``T x T`` mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from engine.request import Request
+
+ATTN_NAME = "cbp_paged"
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of the paged attention, shared by all layers.
+
+    Attributes:
+        kv_caches: per layer ``(key_cache, value_cache)``, each ``[num_blocks, num_kv_heads,
+            block_size, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64, cache slot of each new token.
+        block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0.
+        seq_lens: ``[num_seqs]`` int32, context length after this step (tokens).
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts.
+        seq_lens_list / query_start_loc_list: the same as Python lists (host side).
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens_list: list[int]
+    query_start_loc_list: list[int]
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: write this step's K/V into the paged cache, then attend.
+
+    Args:
+        module: the attention module (``module.layer_idx`` selects the cache).
+        query: ``[1, num_heads, num_tokens, head_dim]``; key, value: ``[1, num_kv_heads, num_tokens,
+            head_dim]`` (after RoPE).
+        attention_mask: ignored (causality comes from the metadata).
+        scaling: softmax scale.
+        kwargs: must hold ``cbp_attn_metadata`` (:class:`AttentionMetadata`).
+
+    Returns:
+        ``([1, num_tokens, num_heads, head_dim], None)``.
+    """
+    meta: AttentionMetadata = kwargs["cbp_attn_metadata"]
+    key_cache, value_cache = meta.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    out = kernels.paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scaling,
+        seq_lens_list=meta.seq_lens_list,
+        query_start_loc_list=meta.query_start_loc_list,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register :func:`paged_attention_forward` in transformers' ``AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    return ATTN_NAME
+
+
+def kv_cache_shape(config) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
+def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block over all layers (K and V)."""
+    layers, kvh, hd = kv_cache_shape(config)
+    return 2 * layers * kvh * block_size * hd * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model and the paged K/V tensors; turns a step's schedule into logits.
+
+    Args:
+        model: a transformers causal LM (any architecture whose attention goes through
+            ``ALL_ATTENTION_FUNCTIONS``); it is switched to our attention.
+        num_blocks: physical blocks per layer.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+        register_attention()
+        model.set_attn_implementation(ATTN_NAME)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        layers, kvh, hd = kv_cache_shape(model.config)
+        shape = (num_blocks, kvh, block_size, hd)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(layers)
+        ]
+
+    def prepare(self, scheduled: list[tuple[Request, int]]):
+        """Pack the step: returns ``(input_ids [1, T], positions [1, T], metadata, logits_rows,
+        sampling_requests)`` where ``logits_rows`` ``[S]`` are the rows whose next token is sampled
+        (a request's last new token, when it reaches the end of its known tokens)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        rows: list[int] = []
+        sampling: list[Request] = []
+        tables: list[list[int]] = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            toks = req.all_token_ids[start:end] if end > len(req.prompt_token_ids) else req.prompt_token_ids[start:end]
+            ids.extend(toks)
+            pos.extend(range(start, end))
+            bt = req.block_ids
+            if n == 1:
+                slots.append(bt[start // bs] * bs + start % bs)
+            else:
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            tables.append(bt)
+            if end == req.num_tokens:
+                rows.append(qsl[-1] - 1)
+                sampling.append(req)
+        max_blocks = max(len(t) for t in tables)
+        bt_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=bt_tensor.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens_list=seq_lens,
+            query_start_loc_list=qsl,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        logits_rows = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        return input_ids, positions, meta, logits_rows, sampling
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
+        """One forward pass over every scheduled token.
+
+        Returns:
+            ``(logits [S, vocab_size] float, requests)``: one row per request that samples this step
+            (None and [] when none does).
+        """
+        if self.model.config._attn_implementation != ATTN_NAME:
+            # the same model object may also serve transformers' own generate (tests, baselines)
+            self.model.set_attn_implementation(ATTN_NAME)
+        input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=rows,
+            cbp_attn_metadata=meta,
+        )
+        # a step of partial prefill chunks only fills the cache: ``rows`` is empty, no logits
+        return (out.logits[0] if sampling else None), sampling

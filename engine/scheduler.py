@@ -1,0 +1,274 @@
+"""Iteration-level (continuous) batching scheduler, with a ``static`` policy for comparison.
+
+One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
+
+1. running requests first, in admission order: each gets its next tokens (one for decode, the next
+   chunk of its prompt for prefill) within the token budget. A request that needs a block and finds
+   none preempts the most recently admitted running request (recompute: its blocks are freed,
+   ``num_computed_tokens`` goes back to 0, it returns to the front of ``waiting``).
+2. then waiting requests, first come first served, while a batch slot, budget and blocks remain.
+   Prompts longer than the budget are split into chunks (chunked prefill).
+
+``static`` admits a batch only when nothing is running, reserves ``prompt + max_tokens`` blocks per
+request up front (as pre-paging servers did), and keeps a finished request's slot empty until the whole
+batch is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    Attributes:
+        scheduled: ``(request, num_new_tokens)`` pairs, in the order their tokens are packed.
+        num_scheduled_tokens: total tokens of the step (tokens).
+        admitted: requests that took a slot this step.
+        preempted: requests preempted this step (already back in ``waiting``).
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and applies the sampled tokens.
+
+    Args:
+        config: engine settings (``max_num_seqs``, ``max_num_batched_tokens``, ``policy``).
+        kv_cache_manager: the block tables and pool.
+        max_model_len: context length (tokens): prompt + generated tokens never exceed it.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.static = config.policy == "static"
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.slots: list[Request | None] = [None] * config.max_num_seqs
+        self.num_preemptions = 0
+        self.finished_in_step: list[Request] = []
+
+    # ------------------------------------------------------------------ admission
+    def check_request(self, request: Request) -> None:
+        """Reject a request that could never run.
+
+        Raises:
+            ValueError: empty prompt, a prompt that leaves no room for one new token within the
+                context length, or one needing more blocks than the pool has.
+        """
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the context length is {self.max_model_len} tokens "
+                f"(prompt + at least one new token must fit)"
+            )
+        need = n + (request.max_tokens if self.static else 1)
+        if self.kv.blocks_needed(need) > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs {self.kv.blocks_needed(need)} KV blocks but the pool has {self.kv.num_blocks}"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a checked request (raises ``ValueError`` via :meth:`check_request`)."""
+        self.check_request(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and tokens, allocating blocks (and preempting) as needed."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # finished row held by the static policy
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req in preempted:
+                break
+            scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted and (not self.static or not self.running):
+            self._admit(scheduled, out, budget)
+
+        # decode rows first: the attention path handles a contiguous run of single-token rows at once
+        scheduled.sort(key=lambda rn: rn[1] > 1)
+        out.scheduled = scheduled
+        out.num_scheduled_tokens = sum(n for _, n in scheduled)
+        out.preempted = preempted
+        return out
+
+    def _admit(self, scheduled: list, out: SchedulerOutput, budget: int) -> None:
+        now = time.monotonic()
+        while self.waiting and budget > 0:
+            slot = self._free_slot()
+            if slot is None:
+                break
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            remaining = req.num_tokens - req.num_computed_tokens - num_hit
+            num_new = min(remaining, budget)
+            lookahead = 0
+            if self.static:
+                lookahead = req.num_prompt_tokens + req.max_tokens - (req.num_computed_tokens + num_hit + num_new)
+            if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=max(0, lookahead)) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            req.slot = slot
+            self.slots[slot] = req
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            out.admitted.append(req)
+            budget -= num_new
+
+    def _free_slot(self) -> int | None:
+        for i, r in enumerate(self.slots):
+            if r is None:
+                return i
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free every block, forget computed tokens, go to the front of waiting."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._release_slot(req)
+        self.waiting.appendleft(req)
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+        req.slot = None
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results.
+
+        Args:
+            out: the step's :class:`SchedulerOutput`.
+            sampled: request id -> sampled token id, for requests whose computed tokens reached
+                their end this step (a partial prefill chunk samples nothing).
+
+        Returns:
+            Requests that got a new token or finished this step, in scheduled order; newly finished
+            ones have their blocks freed and appear in ``finished_in_step``.
+        """
+        changed: list[Request] = []
+        self.finished_in_step = []
+        now = time.monotonic()
+        for req, n in out.scheduled:
+            if req.is_finished:  # aborted or failed during the step
+                continue
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req)
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            req.output_token_ids.append(tok)
+            if req.detokenizer is not None:
+                delta, stop_str = req.detokenizer.update(tok)
+                req.pending_text += delta
+                if stop_str is not None:
+                    req.stop_reason = stop_str
+            if req.first_token_time is None:
+                req.first_token_time = now
+            changed.append(req)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.finish(req, status)
+        return changed
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if not sp.ignore_eos and tok in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if tok in sp.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if isinstance(req.stop_reason, str):
+            return RequestStatus.FINISHED_STOPPED  # a stop string matched (set by the detokenizer)
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End a request (stopped, length, aborted or failed): free its blocks at once. Under the
+        static policy its slot stays held (empty row) until the whole batch is done."""
+        if req.is_finished:
+            return
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and req.detokenizer is not None:
+            if not isinstance(req.stop_reason, str):
+                req.pending_text += req.detokenizer.flush()
+        req.status = status
+        req.error = error
+        req.finish_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        self.kv.forget(req)
+        self.requests.pop(req.request_id, None)
+        self.finished_in_step.append(req)
+        if not self.static:
+            self._release_slot(req)
+        elif not self.running:
+            self.slots = [None] * len(self.slots)  # the static batch is over: every slot opens
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; its blocks go back at once. Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req

@@ -1,0 +1,156 @@
+"""Scheduler: step-by-step slot and block assignments for hand-made request mixes."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make(policy="continuous", slots=3, num_blocks=64, block_size=4, budget=256, max_len=1024, prefix=False):
+    cfg = EngineConfig(policy=policy, max_num_seqs=slots, num_blocks=num_blocks, block_size=block_size,
+                       max_num_batched_tokens=budget, enable_prefix_caching=prefix)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, prefix), max_len)
+
+
+def add(s, rid, prompt_len, max_tokens, start=0):
+    r = Request(rid, list(range(start + 1, start + 1 + prompt_len)), SamplingParams(max_tokens=max_tokens), max_model_len=s.max_model_len)
+    s.add_request(r)
+    return r
+
+
+def step(s):
+    """One engine step with a fake model that always samples token 0. ``out.slots`` records each
+    scheduled request's slot during the step."""
+    out = s.schedule()
+    out.slots = {r.request_id: r.slot for r, _ in out.scheduled}
+    sampled = {r.request_id: 0 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    s.update(out, sampled)
+    return out
+
+
+def slot_names(s):
+    return [r.request_id if r is not None else None for r in s.slots]
+
+
+def run_abcde(policy):
+    """The classic example: three slots; A, B, C need 2, 5 and 3 new tokens; D and E wait."""
+    s = make(policy)
+    for rid, mt in zip("ABCDE", [2, 5, 3, 4, 4]):
+        add(s, rid, 4, mt)
+    history = []
+    while s.has_unfinished():
+        out = step(s)
+        history.append((out.slots, [r.request_id for r in out.admitted]))
+    return history
+
+
+def test_continuous_fills_freed_slots_in_the_next_step():
+    h = run_abcde("continuous")
+    assert h[0] == ({"A": 0, "B": 1, "C": 2}, ["A", "B", "C"])
+    assert h[1] == ({"A": 0, "B": 1, "C": 2}, [])  # A's 2nd token: A finishes
+    assert h[2] == ({"B": 1, "C": 2, "D": 0}, ["D"])  # step 3: D takes A's slot; C finishes
+    assert h[3] == ({"B": 1, "D": 0, "E": 2}, ["E"])  # step 4: E takes C's slot
+    assert len(h) == 7  # D (admitted step 3, 4 tokens) ends at step 6, E at step 7
+
+
+def test_static_waits_for_the_whole_batch():
+    h = run_abcde("static")
+    for i in range(5):
+        assert set(h[i][0]) <= {"A", "B", "C"}
+    assert set(h[2][0]) == {"B", "C"} and set(h[3][0]) == {"B"}  # finished rows stay empty
+    assert h[5] == ({"D": 0, "E": 1}, ["D", "E"])  # D and E start only after B's fifth token
+    assert len(h) == 9
+
+
+def test_static_reserves_prompt_plus_max_tokens_blocks():
+    s = make("static", block_size=4)
+    a = add(s, "A", 4, 9)  # 13 tokens -> 4 blocks up front
+    step(s)
+    assert len(a.block_ids) == 4
+
+
+def test_static_slots_stay_held_by_finished_rows_until_batch_ends():
+    s = make("static")
+    add(s, "A", 4, 1)
+    add(s, "B", 4, 3)
+    step(s)  # A finishes at once
+    assert slot_names(s) == ["A", "B", None]
+    step(s)
+    step(s)
+    assert slot_names(s) == [None, None, None]
+
+
+def test_chunked_prefill_splits_long_prompts_by_budget():
+    s = make(budget=8)
+    a = add(s, "A", 20, 2)
+    assert [n for _, n in step(s).scheduled] == [8]
+    assert a.num_computed_tokens == 8 and a.output_token_ids == []
+    assert [n for _, n in step(s).scheduled] == [8]
+    assert [n for _, n in step(s).scheduled] == [4]
+    assert a.output_token_ids == [0]  # the last chunk samples
+    assert [n for _, n in step(s).scheduled] == [1]
+
+
+def test_budget_is_shared_running_first_then_waiting():
+    s = make(budget=10)
+    add(s, "A", 6, 5)
+    add(s, "B", 9, 5)
+    out = step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("A", 6), ("B", 4)]
+    out = step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("A", 1), ("B", 5)]
+
+
+def test_preemption_evicts_most_recent_and_requeues_it_first():
+    # 4 blocks of 4 tokens; A and B each hold 2 blocks after an 8-token prompt
+    s = make(num_blocks=4, block_size=4)
+    a = add(s, "A", 8, 6)
+    b = add(s, "B", 8, 6)
+    step(s)  # both prefill 8 tokens (2 blocks each) and sample their first token
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    out = step(s)  # A needs a 3rd block: B (admitted last) is preempted
+    assert [r.request_id for r in out.preempted] == ["B"]
+    assert b.status == RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and b.slot is None and b.num_preemptions == 1
+    assert a.block_ids == [0, 1, 3]
+    while s.has_unfinished():
+        step(s)
+    assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_request_preempts_itself_when_alone_never_happens():
+    s = make(num_blocks=2, block_size=4, max_len=8)
+    a = add(s, "A", 3, 100)  # clamped to the context length
+    assert a.max_tokens == 5
+    while s.has_unfinished():
+        step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH and len(a.output_token_ids) == 5
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    s = make(num_blocks=4, block_size=4, max_len=64)
+    with pytest.raises(ValueError, match="context length"):
+        add(s, "long", 64, 1)
+    with pytest.raises(ValueError, match="KV blocks"):
+        add(s, "big", 20, 1)
+    with pytest.raises(ValueError, match="empty"):
+        s.add_request(Request("e", [], SamplingParams()))
+    st = make("static", num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        add(st, "x", 8, 20)
+
+
+def test_abort_frees_blocks_and_slot_at_once():
+    s = make()
+    a = add(s, "A", 6, 10)
+    add(s, "B", 6, 10)
+    step(s)
+    s.abort("A")
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == [] and slot_names(s) == [None, "B", None]
+    s.abort("nope")  # unknown ids are ignored
+    add(s, "C", 4, 2)
+    step(s)
+    assert slot_names(s) == ["C", "B", None]
