@@ -142,7 +142,13 @@ class ModelRunner:
         for req, n in scheduled:
             start = req.num_computed_tokens
             end = start + n
-            toks = req.all_token_ids[start:end] if end > len(req.prompt_token_ids) else req.prompt_token_ids[start:end]
+            num_prompt = len(req.prompt_token_ids)
+            if start >= num_prompt:  # decode (or recompute of generated tokens)
+                toks = req.output_token_ids[start - num_prompt : end - num_prompt]
+            elif end <= num_prompt:
+                toks = req.prompt_token_ids[start:end]
+            else:
+                toks = req.prompt_token_ids[start:] + req.output_token_ids[: end - num_prompt]
             ids.extend(toks)
             pos.extend(range(start, end))
             bt = req.block_ids
