@@ -19,16 +19,23 @@ from engine.request import RequestOutput, RequestStatus, SamplingParams
 log = logging.getLogger(__name__)
 
 
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already waiting: retry later (HTTP 429 on the API)."""
+
+
 class AsyncEngine:
     """Serve many concurrent streams from one :class:`EngineCore`.
 
     Args:
         core: the engine to step; :meth:`from_args` builds one.
         start: start the stepping thread now.
+        max_pending: most requests in flight (running + waiting) at once; one more raises
+            :class:`EngineOverloadedError` instead of queueing (None = unbounded).
     """
 
-    def __init__(self, core: EngineCore, start: bool = True) -> None:
+    def __init__(self, core: EngineCore, start: bool = True, max_pending: int | None = None) -> None:
         self.core = core
+        self.max_pending = max_pending
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -39,14 +46,25 @@ class AsyncEngine:
             self.start()
 
     @classmethod
-    def from_args(cls, model=None, tokenizer=None, **engine_args) -> "AsyncEngine":
+    def from_args(cls, model=None, tokenizer=None, max_pending: int | None = None, **engine_args) -> "AsyncEngine":
         """Build an engine from :class:`EngineConfig` fields (``model=None`` = embedded default;
         a preloaded model object needs ``tokenizer``) and start it."""
         if model is None or isinstance(model, str):
             core = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
         else:
             core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
-        return cls(core)
+        return cls(core, max_pending=max_pending)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests streaming now (admitted to the engine and not finished)."""
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def healthy(self) -> bool:
+        """True while the stepping thread runs."""
+        return self.is_running
 
     # ------------------------------------------------------------------ properties
     @property
@@ -132,6 +150,7 @@ class AsyncEngine:
 
         Raises:
             ValueError: invalid prompt or parameters (before any output, nothing allocated).
+            EngineOverloadedError: ``max_pending`` requests are already in flight.
             RuntimeError: the engine thread is not running.
         """
         if not self.is_running:
@@ -143,6 +162,10 @@ class AsyncEngine:
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
+            if self.max_pending is not None and len(self._streams) >= self.max_pending:
+                raise EngineOverloadedError(
+                    f"the engine is busy ({len(self._streams)} requests in flight, limit {self.max_pending}); retry later"
+                )
             self._streams[rid] = (loop, q)
         finished = False
         try:

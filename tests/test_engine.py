@@ -210,3 +210,24 @@ def test_async_engine_streams_concurrently_and_aborts_on_break(tiny_model, token
         assert any(sum(1 for s in snap.slots if s.request_id) >= 3 for snap in steps)
     finally:
         eng.shutdown()
+
+
+def test_async_engine_rejects_past_max_pending(tiny_model, tokenizer):
+    from engine.async_engine import EngineOverloadedError
+
+    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=4, max_num_seqs=2), model=tiny_model,
+                                 tokenizer=tokenizer), max_pending=1)
+
+    async def main():
+        gen = eng.generate("long one", SamplingParams(max_tokens=200, ignore_eos=True), request_id="p1")
+        first = await gen.__anext__()
+        with pytest.raises(EngineOverloadedError):
+            async for _ in eng.generate("second", SamplingParams(max_tokens=2), request_id="p2"):
+                pass
+        await gen.aclose()  # leaving the stream aborts the request
+        return first
+
+    try:
+        assert asyncio.run(main()).request_id == "p1"
+    finally:
+        eng.shutdown()
