@@ -7,6 +7,7 @@ message in an inbox, which :meth:`EngineCore.step` drains on the stepping thread
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -102,6 +103,7 @@ class EngineCore:
         self.peak_used_blocks = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted_now: list[Request] = []
+        self._groups: dict[str, list[Request]] = {}  # request id -> its sequences, for n > 1
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt) -> list[int]:
@@ -143,11 +145,19 @@ class EngineCore:
             raise ValueError("params must be a SamplingParams")
         params.validate()
         ids = self.tokenize(prompt)
-        req = Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, self.max_model_len, prompt=prompt)
-        req.cache_salt = cache_salt
-        self.scheduler.check_request(req)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        return req
+        rid = request_id or uuid.uuid4().hex
+        seqs = []
+        for i in range(params.n):
+            sp = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp, self.eos_token_ids, self.max_model_len,
+                          prompt=prompt)
+            req.group_id, req.index, req.cache_salt = rid, i, cache_salt
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, sp.skip_special_tokens)
+            seqs.append(req)
+        self.scheduler.check_request(seqs[0])
+        seqs[0].pending_forks = seqs[1:]
+        return seqs[0]
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -172,15 +182,21 @@ class EngineCore:
                 return
             if kind == "add":
                 try:
+                    if item.group_id in self._groups:
+                        raise ValueError(f"request id {item.group_id!r} is already in use")
                     self.scheduler.add_request(item)
+                    if item.pending_forks:
+                        self._groups[item.group_id] = [item] + item.pending_forks
                 except ValueError as e:  # e.g. a duplicate id: fail that request alone
-                    item.status = RequestStatus.FINISHED_ERROR
-                    item.error = str(e)
-                    self._aborted_now.append(item)
+                    for seq in [item] + item.pending_forks:
+                        seq.status = RequestStatus.FINISHED_ERROR
+                        seq.error = str(e)
+                        self._aborted_now.append(seq)
             else:
-                req = self.scheduler.abort(item)
-                if req is not None:
-                    self._aborted_now.append(req)
+                for seq in self._groups.get(item, [None]):
+                    req = self.scheduler.abort(item if seq is None else seq.request_id)
+                    if req is not None:
+                        self._aborted_now.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or not self._inbox.empty()
@@ -199,7 +215,8 @@ class EngineCore:
         if not sched.is_empty:
             tf = time.monotonic()
             try:
-                logits, sampling = self.runner.execute(sched.scheduled)
+                logits, sampling = self.runner.execute(sched.scheduled, sched.blocks_to_copy)
+                logits, sampling = self._add_fork_rows(logits, sampling)
                 tokens = self.sampler.sample(logits, sampling) if sampling else []
             except Exception as e:  # fail this step's requests alone; keep serving
                 log.exception("model forward failed")
@@ -216,25 +233,44 @@ class EngineCore:
             self._record(t0, forward_time, sched, slot_map, changed, finished)
         return outputs
 
+    @staticmethod
+    def _add_fork_rows(logits, sampling: list[Request]):
+        """Parallel sampling: a first sequence whose prompt is now computed lends its logits row to
+        each sibling about to fork from it, so each draws its own first token."""
+        extra = [(i, sib) for i, r in enumerate(sampling) for sib in r.pending_forks if not sib.is_finished]
+        if not extra:
+            return logits, sampling
+        rows = torch.tensor([i for i, _ in extra], device=logits.device)
+        return torch.cat([logits, logits.index_select(0, rows)]), sampling + [sib for _, sib in extra]
+
     def _outputs(self, changed: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per user request touched this step (all n sequences of it)."""
         outs = []
         seen = set()
         for req in changed + finished:
-            if req.request_id in seen:
+            gid = req.group_id
+            if gid in seen:
                 continue
-            seen.add(req.request_id)
-            delta, req.pending_text = req.pending_text, ""
-            req.output_text += delta
+            seen.add(gid)
+            seqs = self._groups.get(gid, [req])
+            completions = []
+            for seq in seqs:
+                delta, seq.pending_text = seq.pending_text, ""
+                seq.output_text += delta
+                completions.append(CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), delta,
+                                                    seq.status.finish_reason, seq.stop_reason))
+            done = all(seq.is_finished for seq in seqs)
+            if done:
+                self._groups.pop(gid, None)
             outs.append(
                 RequestOutput(
-                    request_id=req.request_id,
+                    request_id=gid,
                     prompt=req.prompt,
                     prompt_token_ids=req.prompt_token_ids,
-                    outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), delta,
-                                              req.status.finish_reason, req.stop_reason)],
-                    finished=req.is_finished,
-                    error=req.error,
-                    metrics=self._metrics(req),
+                    outputs=completions,
+                    finished=done,
+                    error=next((seq.error for seq in seqs if seq.error), None),
+                    metrics=self._metrics(seqs[0]),
                 )
             )
         return outs

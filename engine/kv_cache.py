@@ -155,6 +155,8 @@ class KVCacheManager:
         self.block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write block copies
+        self.num_cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -227,10 +229,22 @@ class KVCacheManager:
         need = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         have = len(request.block_ids) + len(computed_blocks)
         new = max(0, need - have)
+        # copy-on-write: blocks this step writes into that another block table also holds
+        cow = []
+        if request.block_ids:
+            last = min(len(request.block_ids), self.blocks_needed(num_computed + num_new_tokens))
+            cow = [i for i in range(num_computed // self.block_size, last) if self.pool.ref_cnt[request.block_ids[i]] > 1]
         # cached-free hits leave the free queue when touched, so they count against what is free
         hits_in_free = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
-        if new + hits_in_free > self.pool.num_free_blocks:
+        if new + len(cow) + hits_in_free > self.pool.num_free_blocks:
             return None
+        for i in cow:
+            src = request.block_ids[i]
+            dst = self.pool.allocate(1, request.request_id)[0]
+            self.pool.free([src])
+            request.block_ids[i] = dst
+            self.pending_copies.append((src, dst))
+            self.num_cow_copies += 1
         if computed_blocks:
             self.pool.touch(computed_blocks, request.request_id)
             request.block_ids.extend(computed_blocks)
@@ -252,6 +266,18 @@ class KVCacheManager:
         for i in range(start, full):
             self.pool.cache(request.block_ids[i], hashes[i])
         self.num_cached_blocks[rid] = full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the same block table as ``parent`` (one more reference on each block);
+        later writes into a shared block copy it first (see :meth:`allocate_slots`)."""
+        self.pool.touch(parent.block_ids, None)
+        child.block_ids = list(parent.block_ids)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src, dst)`` block copies planned since the last call."""
+        out, self.pending_copies = self.pending_copies, []
+        return out
 
     def free(self, request: Request) -> None:
         """Return all the request's blocks to the pool (tail first, so its last blocks are evicted

@@ -179,9 +179,20 @@ class ModelRunner:
         logits_rows = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         return input_ids, positions, meta, logits_rows, sampling
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy the K/V of block ``src`` into block ``dst`` in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor | None, list[Request]]:
-        """One forward pass over every scheduled token.
+    def execute(self, scheduled: list[tuple[Request, int]], blocks_to_copy: list[tuple[int, int]] = ()
+                ) -> tuple[torch.Tensor | None, list[Request]]:
+        """Make the step's copy-on-write block copies, then one forward pass over every scheduled token.
 
         Returns:
             ``(logits [S, vocab_size] float, requests)``: one row per request that samples this step
@@ -190,6 +201,7 @@ class ModelRunner:
         if self.model.config._attn_implementation != ATTN_NAME:
             # the same model object may also serve transformers' own generate (tests, baselines)
             self.model.set_attn_implementation(ATTN_NAME)
+        self.copy_blocks(list(blocks_to_copy))
         input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
         out = self.model(
             input_ids=input_ids,

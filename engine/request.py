@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MAX_N = 16  # most parallel completions of one request
+
+
 class RequestStatus(enum.IntEnum):
     """Life cycle of a request. ``WAITING`` -> ``RUNNING`` -> one of the ``FINISHED_*`` states;
     a preempted request goes back to ``WAITING`` (recompute preemption)."""
@@ -43,7 +46,8 @@ class SamplingParams:
     """How to pick tokens and when to stop; the meanings are vLLM's.
 
     Attributes:
-        n: number of completions (only 1 is supported by the engine core for now).
+        n: number of completions (1..MAX_N). The n sequences share the prompt's KV blocks; a shared,
+            partly filled block is copied before one of them writes into it (copy-on-write).
         temperature: 0 means greedy (argmax); > 0 scales the logits.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it.
@@ -88,8 +92,8 @@ class SamplingParams:
         """Check every field; raise ``ValueError`` naming the first bad one."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.n != 1:
-            raise ValueError(f"n > 1 (parallel sampling) is not supported yet, got n={self.n}")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
@@ -163,6 +167,11 @@ class Request:
         self.output_text = ""  # text emitted so far (stop strings removed)
         self.pending_text = ""  # text produced since the last RequestOutput
         self.cache_salt: str | None = None  # keeps prefix-cache entries apart (per session)
+        # parallel sampling (n > 1): the user-facing id, this sequence's completion index, and, on the
+        # first sequence until its prompt is computed, the siblings that fork from it then
+        self.group_id = request_id
+        self.index = 0
+        self.pending_forks: list[Request] = []
 
     @property
     def num_prompt_tokens(self) -> int:

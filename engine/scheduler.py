@@ -34,12 +34,14 @@ class SchedulerOutput:
         num_scheduled_tokens: total tokens of the step (tokens).
         admitted: requests that took a slot this step.
         preempted: requests preempted this step (already back in ``waiting``).
+        blocks_to_copy: copy-on-write ``(src, dst)`` block copies to make before the forward.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +97,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        for sib in request.pending_forks:
+            self.requests[sib.request_id] = sib
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -135,15 +139,17 @@ class Scheduler:
         out.scheduled = scheduled
         out.num_scheduled_tokens = sum(n for _, n in scheduled)
         out.preempted = preempted
+        out.blocks_to_copy = self.kv.take_copies()
         return out
 
     def _admit(self, scheduled: list, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
         while self.waiting and budget > 0:
-            slot = self._free_slot()
-            if slot is None:
-                break
             req = self.waiting[0]
+            free_slots = [i for i, r in enumerate(self.slots) if r is None]
+            if len(free_slots) < 1 + len(req.pending_forks):  # parallel samples need a slot each
+                break
+            slot = free_slots[0]
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
             num_new = min(remaining, budget)
@@ -157,18 +163,15 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.slot = slot
             self.slots[slot] = req
+            for sib, sib_slot in zip(req.pending_forks, free_slots[1:]):
+                sib.slot = sib_slot
+                self.slots[sib_slot] = sib
             if req.scheduled_time is None:
                 req.scheduled_time = now
             self.running.append(req)
             scheduled.append((req, num_new))
             out.admitted.append(req)
             budget -= num_new
-
-    def _free_slot(self) -> int | None:
-        for i, r in enumerate(self.slots):
-            if r is None:
-                return i
-        return None
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free every block, forget computed tokens, go to the front of waiting."""
@@ -179,6 +182,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._release_slot(req)
+        for sib in req.pending_forks:
+            self._release_slot(sib)
         self.waiting.appendleft(req)
 
     def _release_slot(self, req: Request) -> None:
@@ -210,19 +215,31 @@ class Scheduler:
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
-            req.output_token_ids.append(tok)
-            if req.detokenizer is not None:
-                delta, stop_str = req.detokenizer.update(tok)
-                req.pending_text += delta
-                if stop_str is not None:
-                    req.stop_reason = stop_str
-            if req.first_token_time is None:
-                req.first_token_time = now
-            changed.append(req)
-            status = self._check_stop(req, tok)
-            if status is not None:
-                self.finish(req, status)
+            siblings = [s for s in req.pending_forks if not s.is_finished]
+            req.pending_forks = []
+            for sib in siblings:  # parallel sampling: the siblings fork off the computed prompt
+                self.kv.fork(req, sib)
+                sib.num_computed_tokens = req.num_computed_tokens
+                sib.status = RequestStatus.RUNNING
+                sib.scheduled_time = req.scheduled_time
+                self.running.append(sib)
+            for r, t in [(req, tok)] + [(s, sampled[s.request_id]) for s in siblings]:
+                self._append_token(r, t, now)
+                changed.append(r)
         return changed
+
+    def _append_token(self, req: Request, tok: int, now: float) -> None:
+        req.output_token_ids.append(tok)
+        if req.detokenizer is not None:
+            delta, stop_str = req.detokenizer.update(tok)
+            req.pending_text += delta
+            if stop_str is not None:
+                req.stop_reason = stop_str
+        if req.first_token_time is None:
+            req.first_token_time = now
+        status = self._check_stop(req, tok)
+        if status is not None:
+            self.finish(req, status)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -260,6 +277,9 @@ class Scheduler:
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
         self.finished_in_step.append(req)
+        for sib in req.pending_forks:  # ended before its prompt was computed: the siblings end too
+            self.finish(sib, status, error)
+        req.pending_forks = []
         if not self.static:
             self._release_slot(req)
         elif not self.running:
