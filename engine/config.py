@@ -79,8 +79,10 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from keyword arguments, rejecting unknown names with a ``TypeError``."""
+        """Build from keyword arguments (None values take the defaults), rejecting unknown names with a
+        ``TypeError``."""
         names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None means "the default"
         unknown = set(kwargs) - names
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")

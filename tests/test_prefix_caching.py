@@ -1,0 +1,115 @@
+"""Prefix caching and parallel sampling on the tiny model: identical greedy outputs with caching on
+and off, hash-map entries that match their blocks' tokens, and n > 1 with shared prompt blocks."""
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.kv_cache import hash_block
+from engine.request import SamplingParams
+
+BS = 4
+
+
+def engine(tiny_model, tokenizer, caching=True, **kw):
+    kw.setdefault("num_blocks", 48)
+    kw.setdefault("max_num_seqs", 4)
+    return EngineCore(EngineConfig(block_size=BS, enable_prefix_caching=caching, **kw), model=tiny_model,
+                      tokenizer=tokenizer)
+
+
+def check_cache_invariants(eng):
+    pool = eng.kv.pool
+    holders = [0] * pool.num_blocks
+    for r in eng.scheduler.running:
+        parent = None
+        tokens = r.all_token_ids
+        for i, b in enumerate(r.block_ids):
+            holders[b] += 1
+            if (i + 1) * BS <= r.num_computed_tokens:
+                h = hash_block(parent, tokens[i * BS : (i + 1) * BS], r.cache_salt)
+                # a hashed block holds exactly the tokens it was hashed from
+                assert pool.block_hash[b] in (None, h)
+                parent = h
+    for h, b in pool.cached.items():
+        assert pool.block_hash[b] == h
+    assert holders == pool.ref_cnt
+    assert all((b in pool.free_queue) == (holders[b] == 0) for b in range(pool.num_blocks))
+
+
+def run(eng, plan, max_tokens=6):
+    """``plan``: list of steps, each a list of (id, token ids) to add before that step."""
+    outs = {}
+    step = 0
+    while step < len(plan) or eng.has_unfinished_requests():
+        for rid, ids in plan[step] if step < len(plan) else []:
+            eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        check_cache_invariants(eng)
+        step += 1
+    assert eng.kv.pool.num_used_blocks == 0  # idle: every block is free or cached-free
+    return outs
+
+
+def both(tiny_model, tokenizer, plan, **kw):
+    on = engine(tiny_model, tokenizer, True, **kw)
+    got_on = run(on, plan)
+    got_off = run(engine(tiny_model, tokenizer, False, **kw), plan)
+    assert got_on == got_off
+    return on
+
+
+P = list(range(200, 214))  # 14 tokens: 3 full blocks + 2
+
+
+def test_same_prompt_twice_in_a_row(tiny_model, tokenizer):
+    eng = both(tiny_model, tokenizer, [[("a", P)]] + [[]] * 8 + [[("b", P)]])
+    assert eng.kv.prefix_hits >= 12  # b reused a's three full blocks
+
+
+def test_same_prompt_twice_in_the_same_step(tiny_model, tokenizer):
+    both(tiny_model, tokenizer, [[("a", P), ("b", P)]])
+
+
+def test_again_after_traffic_evicted_some_blocks(tiny_model, tokenizer):
+    traffic = [[(f"t{i}", list(range(1000 + 40 * i, 1000 + 40 * i + 20)))] for i in range(8)]
+    eng = both(tiny_model, tokenizer, [[("a", P)]] + [[]] * 7 + traffic + [[]] * 8 + [[("b", P)]], num_blocks=16)
+    assert eng.kv.pool.num_evictions > 0
+
+
+def test_prompts_sharing_part_of_a_block(tiny_model, tokenizer):
+    q = P[:6] + [999, 998, 997, 996, 995]  # shares one full block and half of the next
+    eng = both(tiny_model, tokenizer, [[("a", P)]] + [[]] * 7 + [[("b", q)]])
+    assert eng.kv.prefix_hits == 4
+
+
+def test_prompt_of_whole_blocks_recomputes_its_last_token(tiny_model, tokenizer):
+    whole = P[:12]
+    eng = both(tiny_model, tokenizer, [[("a", whole)]] + [[]] * 7 + [[("b", whole)]])
+    assert eng.kv.prefix_hits == 8  # two of three blocks: the last token must be computed
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_frees_them(tiny_model, tokenizer):
+    def sample(seed):
+        eng = engine(tiny_model, tokenizer, max_num_seqs=4)
+        eng.add_request("p", P, SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True))
+        shared_seen = False
+        final = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                final = o
+            running = eng.scheduler.running
+            if len(running) == 4:
+                # the prompt's blocks are held by all four block tables
+                assert all(eng.kv.pool.ref_cnt[b] == 4 for b in running[0].block_ids[:3])
+                shared_seen = True
+            check_cache_invariants(eng)
+        assert shared_seen and eng.kv.num_cow_copies >= 3  # the partly filled prompt block was copied
+        assert eng.kv.pool.num_used_blocks == 0
+        assert final.finished and [c.index for c in final.outputs] == [0, 1, 2, 3]
+        assert all(len(c.token_ids) == 8 for c in final.outputs)
+        return [c.token_ids for c in final.outputs]
+
+    a = sample(7)
+    assert a == sample(7)  # reproducible with a fixed seed
+    assert len({tuple(t) for t in a}) > 1  # and the four differ
