@@ -305,8 +305,10 @@ class EngineCore:
             slots.append(SlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens))
         tables = {}
         tokens = [0] * pool.num_blocks
+        hit_blocks = set()
         for r in self.scheduler.running:
             tables[r.request_id] = tuple(r.block_ids)
+            hit_blocks.update(r.block_ids[: r.num_hit_blocks])
             for j, b in enumerate(r.block_ids):
                 tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
         cached = pool.cached_free_blocks()
@@ -334,6 +336,9 @@ class EngineCore:
                 num_preemptions=self.scheduler.num_preemptions,
                 finished=tuple(r.request_id for r in finished),
                 admitted=tuple(r.request_id for r in sched.admitted),
+                prefix_cache_queries=self.kv.prefix_queries,
+                prefix_cache_hits=self.kv.prefix_hits,
+                cache_hit_blocks=frozenset(hit_blocks),
             )
         )
         for r in finished:

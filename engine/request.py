@@ -172,6 +172,7 @@ class Request:
         self.group_id = request_id
         self.index = 0
         self.pending_forks: list[Request] = []
+        self.num_hit_blocks = 0  # leading blocks taken from the prefix cache at admission
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -160,6 +160,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_hit
+            req.num_hit_blocks = len(hits)
             req.status = RequestStatus.RUNNING
             req.slot = slot
             self.slots[slot] = req
@@ -178,6 +179,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.num_hit_blocks = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -58,6 +58,9 @@ class StepSnapshot:
         num_preemptions: total preemptions so far.
         finished: ids of requests that finished in this step.
         admitted: ids of requests that took a slot in this step.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache so far (tokens).
+        prefix_cache_hits: of those, tokens found cached and not recomputed (tokens).
+        cache_hit_blocks: ids of held blocks that a request got from the prefix cache.
     """
 
     step: int
@@ -77,6 +80,9 @@ class StepSnapshot:
     num_preemptions: int
     finished: tuple[str, ...] = ()
     admitted: tuple[str, ...] = ()
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cache_hit_blocks: frozenset[int] = frozenset()
 
     @property
     def num_blocks(self) -> int:
@@ -182,7 +188,8 @@ class Telemetry:
 
         Returns a dict with ``running``, ``waiting``, ``kv_usage`` (0..1), ``tokens_per_s`` (generated
         tokens per second over the last ``window`` seconds of steps), ``steps``, ``preemptions``,
-        ``generated_tokens`` and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
+        ``generated_tokens``, ``prefix_hit_rate`` (0..1, None before any lookup),
+        ``prefill_tokens_saved`` (tokens) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
         ``tpot_p99`` (seconds, over the kept finished requests; None when there are none).
         """
         with self._lock:
@@ -199,6 +206,8 @@ class Telemetry:
             "steps": total_steps,
             "preemptions": 0,
             "generated_tokens": total_gen,
+            "prefix_hit_rate": None,
+            "prefill_tokens_saved": 0,
         }
         if steps:
             last = steps[-1]
@@ -207,6 +216,8 @@ class Telemetry:
                 waiting=last.num_waiting,
                 kv_usage=last.kv_usage,
                 preemptions=last.num_preemptions,
+                prefill_tokens_saved=last.prefix_cache_hits,
+                prefix_hit_rate=(last.prefix_cache_hits / last.prefix_cache_queries) if last.prefix_cache_queries else None,
             )
             recent = [s for s in steps if s.time >= now - window]
             if recent:

@@ -113,3 +113,25 @@ def test_parallel_sampling_shares_prompt_blocks_and_frees_them(tiny_model, token
     a = sample(7)
     assert a == sample(7)  # reproducible with a fixed seed
     assert len({tuple(t) for t in a}) > 1  # and the four differ
+
+
+def test_second_chat_turn_reuses_first_turn_blocks_and_telemetry_shows_it(tiny_model, tokenizer):
+    from ui.figures import block_map_figure
+
+    eng = engine(tiny_model, tokenizer, num_blocks=64)
+    turn1 = [{"role": "user", "content": "Tell me a story about a cat."}]
+    eng.add_request("t1", turn1, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    reply = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            reply = o.text
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    eng.add_request("t2", turn2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()
+    snap = eng.telemetry.latest()
+    assert len(snap.cache_hit_blocks) >= 8  # the system prompt and the first turn were found cached
+    assert set(snap.cache_hit_blocks) <= set(snap.block_tables["t2"])
+    fig = block_map_figure(snap)
+    assert len(fig.data[4].x) == len(snap.cache_hit_blocks)
+    stats = eng.telemetry.stats()
+    assert stats["prefix_hit_rate"] > 0.3 and stats["prefill_tokens_saved"] >= 32

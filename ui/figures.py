@@ -30,7 +30,7 @@ LABELS_EN = {
     "step": "engine step", "slot": "batch slot", "request": "request",
     "tokens_step": "tokens this step", "tokens_cache": "tokens in cache", "admitted": "admitted",
     "block": "block", "owner": "owner", "free": "free", "cached": "free, cached prefix",
-    "filled": "tokens filled", "refcount": "refcount", "reused": "times reused", "shared": "shared",
+    "filled": "tokens filled", "refcount": "refcount", "reused": "times reused", "shared": "shared", "cache_hit": "prefix-cache hit",
     "reused_marker": "reused block", "running": "running", "waiting": "waiting", "kv": "KV usage %",
     "prefill": "prefill", "decode": "decode", "idle": "idle (held)",
 }
@@ -196,7 +196,8 @@ def block_map_figure(
     free one, None past the last block; ``customdata`` holds ``(block id, owner ids joined by ", " or
     the free state, tokens filled, refcount, times reused)``, (-1, ...) past the last block); trace 1
     marks owned blocks that were reused (handed over from another request before); trace 2 marks
-    shared blocks (refcount > 1).
+    shared blocks (refcount > 1); trace 3 is the legend entry of cached-free blocks; trace 4 marks held
+    blocks that their request found in the prefix cache instead of computing them.
     """
     L = {**LABELS_EN, **(labels or {})}
     fig = go.Figure()
@@ -210,7 +211,7 @@ def block_map_figure(
     owners = snap.block_owners()
     z = [[None] * cols for _ in range(rows)]
     cd = [[(-1, "", 0, 0, 0)] * cols for _ in range(rows)]
-    reused, shared = ([], []), ([], [])
+    reused, shared, hits = ([], []), ([], []), ([], [])
     for b in range(n):
         r, c = divmod(b, cols)
         own = owners[b]
@@ -221,6 +222,8 @@ def block_map_figure(
                 reused[0].append(c), reused[1].append(r)
             if snap.block_refcount[b] > 1:
                 shared[0].append(c), shared[1].append(r)
+            if b in snap.cache_hit_blocks:
+                hits[0].append(c), hits[1].append(r)
         elif b in snap.cached_blocks:
             z[r][c] = CACHED_CODE
             state = L["cached"]
@@ -245,6 +248,10 @@ def block_map_figure(
     ))
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=L["cached"], hoverinfo="skip",
                              marker={"symbol": "square", "size": 10, "color": CACHED_COLOR}))
+    fig.add_trace(go.Scatter(
+        x=hits[0], y=hits[1], mode="markers", name=L["cache_hit"], hoverinfo="skip",
+        marker={"symbol": "star", "size": 7, "color": "gold", "line": {"color": "black", "width": 0.5}},
+    ))
     fig.update_layout(
         height=height, margin={"l": 40, "r": 10, "t": 34, "b": 30}, plot_bgcolor=GRID_COLOR,
         legend={"orientation": "h", "y": -0.08, "x": 0}, uirevision="blocks",
@@ -292,4 +299,12 @@ def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
         "tpot": f"{_ms(stats.get('tpot_p50'))} / {_ms(stats.get('tpot_p90'))}",
         "totals": f"{stats.get('generated_tokens', 0)} tok · {stats.get('steps', 0)} steps · "
                   f"{stats.get('preemptions', 0)} preempt.",
+        "prefix_cache": _hit_rate(stats),
     }
+
+
+def _hit_rate(stats: Mapping[str, object]) -> str:
+    rate = stats.get("prefix_hit_rate")
+    if rate is None:
+        return "-"
+    return f"{100 * float(rate):.0f} % hit · {stats.get('prefill_tokens_saved', 0)} tok saved"

@@ -18,7 +18,7 @@ from gradio.components.plot import PlotData
 from ui import figures
 from ui.i18n import figure_labels
 
-COUNTER_KEYS = ("running", "waiting", "kv_usage", "tokens_per_s", "ttft", "tpot", "totals")
+COUNTER_KEYS = ("running", "waiting", "kv_usage", "tokens_per_s", "ttft", "tpot", "totals", "prefix_cache")
 
 
 def _plot_data(fig) -> PlotData:

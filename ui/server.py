@@ -1,0 +1,143 @@
+"""One server, one port: the OpenAI-compatible API (``/v1/...``, ``/health``, ``/metrics``) and the Gradio
+playground (``/``), run by uvicorn.
+
+``build_server`` adds the API routes first, then mounts the Gradio app at ``/`` (a catch-all mount, so
+it must come last); ``serve`` runs the result; ``ServerThread`` runs it in a background thread (tests,
+notebooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+from ui.api import create_api
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+
+
+def default_mount_kwargs() -> dict[str, Any]:
+    """What ``ui.layout.launch`` gives ``demo.launch`` (translations, style, footer), for
+    ``gr.mount_gradio_app``; empty where the layout module does not provide it."""
+    kw: dict[str, Any] = {"footer_links": ["api", "gradio", "settings"], "run_history": False}
+    try:
+        from ui import layout
+
+        if getattr(layout, "CSS", None):
+            kw["css"] = layout.CSS
+        if getattr(layout, "I18N", None) is not None:
+            kw["i18n"] = layout.I18N
+    except Exception as e:  # the layout is optional here (an API-only server, a layout being rewritten)
+        log.debug("no layout defaults for mounting: %r", e)
+    return kw
+
+
+def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
+                 rate_limit: int | None = None, rate_period: float = 1.0, retry_after: int = 1,
+                 queue_size: int | None = None, mount_kwargs: dict[str, Any] | None = None) -> FastAPI:
+    """The FastAPI app serving the API and, at ``/``, the Gradio ``demo``.
+
+    Args:
+        engine: the started engine shared by the API and the UI.
+        demo: a ``gr.Blocks`` (None: API only).
+        model_name: the model name of the API (``/v1/models``, the ``model`` field); None = default.
+        max_pending: if given, sets ``engine.max_pending``: most requests in flight in the engine (API
+            and UI together); one more gets HTTP 429 on the API, ``EngineOverloadedError`` in the UI.
+        rate_limit, rate_period: at most ``rate_limit`` API generation requests per ``rate_period``
+            seconds per client host (None = unlimited); past it HTTP 429 with ``Retry-After``.
+        retry_after: ``Retry-After`` seconds of an overload 429.
+        queue_size: Gradio's queue bound (``demo.queue(max_size=...)``; None = unbounded).
+        mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme...), over
+            :func:`default_mount_kwargs`.
+    """
+    if max_pending is not None:
+        engine.max_pending = max_pending
+    app = create_api(engine, model_name, rate_limit=rate_limit, rate_period=rate_period, retry_after=retry_after)
+    if demo is not None:
+        import gradio as gr
+
+        demo.queue(max_size=queue_size)
+        kw = default_mount_kwargs() | dict(mount_kwargs or {})
+        gr.mount_gradio_app(app, demo, path="/", **kw)
+    return app
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def resolve_address(host: str | None = None, port: int | None = None) -> tuple[str, int]:
+    """``host`` / ``port``, else ``GRADIO_SERVER_NAME`` / ``GRADIO_SERVER_PORT`` (as on Hugging Face
+    Spaces), else 127.0.0.1 and the first free port from 7860 (as ``demo.launch`` does)."""
+    host = host or os.environ.get("GRADIO_SERVER_NAME") or DEFAULT_HOST
+    if port is None and os.environ.get("GRADIO_SERVER_PORT"):
+        port = int(os.environ["GRADIO_SERVER_PORT"])
+    if port is None:
+        port = next((p for p in range(DEFAULT_PORT, DEFAULT_PORT + 100) if _port_free(host, p)), DEFAULT_PORT)
+    return host, port
+
+
+def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
+    """Run ``app`` with uvicorn until interrupted (Ctrl-C). Address: see :func:`resolve_address`."""
+    host, port = resolve_address(host, port)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    print(f"* Running on http://{shown}:{port}  (UI at /, OpenAI API at /v1, metrics at /metrics)", flush=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+
+
+class ServerThread:
+    """``app`` served by uvicorn in a daemon thread (tests, notebooks); ``port=0`` picks a free port.
+
+    Attributes:
+        url: ``http://host:port`` once :meth:`start` returned.
+    """
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=2))
+        self.host = host
+        self.port = port
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start and wait until the server accepts connections (raises ``RuntimeError`` after ``timeout``)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the server to exit and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
