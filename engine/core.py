@@ -155,8 +155,8 @@ class EngineCore:
             req.group_id, req.index, req.cache_salt = rid, i, cache_salt
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, sp.skip_special_tokens)
             seqs.append(req)
-        self.scheduler.check_request(seqs[0])
         seqs[0].pending_forks = seqs[1:]
+        self.scheduler.check_request(seqs[0])
         return seqs[0]
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,

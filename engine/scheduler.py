@@ -85,6 +85,9 @@ class Scheduler:
                 f"the prompt has {n} tokens, but the context length is {self.max_model_len} tokens "
                 f"(prompt + at least one new token must fit)"
             )
+        if 1 + len(request.pending_forks) > len(self.slots):
+            raise ValueError(f"n={1 + len(request.pending_forks)} parallel samples need more than the "
+                             f"{len(self.slots)} batch slots")
         need = n + (request.max_tokens if self.static else 1)
         if self.kv.blocks_needed(need) > self.kv.num_blocks:
             raise ValueError(

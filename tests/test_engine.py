@@ -76,6 +76,8 @@ def test_continuous_takes_fewer_steps_and_idle_slot_steps_than_static(tiny_model
         ("hello", SamplingParams(top_p=1.5), "top_p"),
         ([{"role": "user"}], SamplingParams(), "content"),
         (12, SamplingParams(), "prompt"),
+        ("hello", SamplingParams(n=5), "batch slots"),
+        ("hello", SamplingParams(n=99), "at most"),
     ],
 )
 def test_bad_input_fails_alone_and_the_engine_keeps_serving(tiny_model, tokenizer, prompt, params, match):
@@ -131,7 +133,8 @@ def test_telemetry_records_slots_blocks_and_phases(tiny_model, tokenizer):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     reqs=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 6), st.booleans(), st.integers(0, 3)),
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 6), st.booleans(), st.integers(0, 3),
+                  st.sampled_from([1, 1, 1, 2, 3])),
         min_size=1, max_size=10,
     ),
     num_blocks=st.integers(12, 40),
@@ -139,19 +142,21 @@ def test_telemetry_records_slots_blocks_and_phases(tiny_model, tokenizer):
     policy=st.sampled_from(["continuous", "continuous", "static"]),
 )
 def test_block_invariants_hold_after_every_step(tiny_model, tokenizer, reqs, num_blocks, budget, policy):
-    """Random arrivals, lengths, shared prefixes and aborts: invariants after every step; all free at the end."""
+    """Random arrivals, lengths, shared prefixes, parallel samples (n) and aborts: invariants after every
+    step; all free at the end."""
     eng = core(tiny_model, tokenizer, num_blocks=num_blocks, max_num_batched_tokens=budget, policy=policy,
                max_model_len=num_blocks * 4)
     arrivals = {}
-    for i, (plen, mt, arrive, abort, prefix) in enumerate(reqs):
-        arrivals.setdefault(arrive, []).append((i, plen, mt, abort, prefix))
+    for i, (plen, mt, arrive, abort, prefix, n) in enumerate(reqs):
+        arrivals.setdefault(arrive, []).append((i, plen, mt, abort, prefix, n))
     step = 0
     aborts = {}
     while step < 400:
-        for i, plen, mt, abort, prefix in arrivals.pop(step, []):
+        for i, plen, mt, abort, prefix, n in arrivals.pop(step, []):
             ids = [7] * (prefix * 4) + list(range(100 + i * 50, 100 + i * 50 + plen))
             try:
-                eng.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True))
+                eng.add_request(f"r{i}", ids, SamplingParams(temperature=1.0, seed=i, n=n, max_tokens=mt,
+                                                             ignore_eos=True))
             except ValueError:
                 continue  # could never fit: rejected at admission
             if abort:
