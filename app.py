@@ -64,6 +64,16 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
                    help="continuous batching, or static batches for comparison (default: continuous)")
     p.add_argument("--refresh", type=float, default=_env(env, "refresh", float) or 0.5,
                    help="seconds between panel refreshes in each tab (default: 0.5)")
+    p.add_argument("--max-pending", type=int, default=_env(env, "max-pending", int) or 256,
+                   help="requests in flight at once (chats + API); more get 'busy, retry' / HTTP 429 (default: 256)")
+    p.add_argument("--rate-limit", type=int, default=_env(env, "rate-limit", int) or 0,
+                   help="API requests per --rate-period per client host; 0 = no limit (default)")
+    p.add_argument("--rate-period", type=float, default=_env(env, "rate-period", float) or 60.0,
+                   help="seconds of the rate-limit window (default: 60)")
+    p.add_argument("--queue-size", type=int, default=_env(env, "queue-size", int) or 256,
+                   help="Gradio's event queue bound (default: 256)")
+    p.add_argument("--served-model-name", default=_env(env, "served-model-name"),
+                   help="model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)")
     args = p.parse_args(argv)
     if args.policy not in POLICIES:
         p.error(f"--policy must be one of {POLICIES}, got {args.policy!r}")
@@ -86,17 +96,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse options, start one engine, serve the Gradio app until interrupted."""
+    """Parse options, start one engine, serve the Gradio app and the OpenAI-compatible API on one port
+    until interrupted."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from engine.async_engine import AsyncEngine
     from ui.layout import build_app, launch
+    from ui.server import build_server, serve
 
     engine = AsyncEngine.from_args(**engine_kwargs(args))
     atexit.register(engine.shutdown)
     demo = build_app(engine, model_name=args.model, refresh_s=args.refresh)
-    launch(demo, server_name=args.host, server_port=args.port, share=args.share or None)
+    if args.share:  # a gradio.live link needs demo.launch(); the OpenAI API is not served then
+        engine.max_pending = args.max_pending
+        launch(demo, server_name=args.host, server_port=args.port, share=True)
+        return
+    # one port for both: the OpenAI-compatible API routes first, the Gradio app mounted at /
+    app = build_server(engine, demo, model_name=args.served_model_name, max_pending=args.max_pending,
+                       rate_limit=args.rate_limit or None, rate_period=args.rate_period, queue_size=args.queue_size)
+    serve(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@
   (Prometheus text format, vLLM's metric meanings, ``cbp:`` instead of ``vllm:``).
 
 Every request is checked before the engine allocates anything (bad JSON or messages, empty prompt,
-prompt over the context length, sampling values out of range, ``n > 1``, an unknown model): a 4xx with
-an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``. A full engine (its
-``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past its rate limit.
+prompt over the context length, sampling values out of range, ``n`` over ``MAX_N`` or the batch slots,
+an unknown model): a 4xx with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+A full engine (its ``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past
+its rate limit.
 A client that goes away, streaming or not, aborts its engine request at the next engine step, so its
 KV blocks return to the pool at once. The module imports nothing from Gradio.
 """
@@ -93,6 +94,8 @@ def _param_of(message: str, prompt_param: str) -> tuple[str | None, str | None]:
     first = message.split(" ", 1)[0]
     if first in _PARAM_NAMES:
         return first, None
+    if first.startswith("n=") or "parallel samples" in message:
+        return "n", None
     if "context length" in message or "KV blocks" in message:
         return prompt_param, "context_length_exceeded"
     if "prompt" in message:
@@ -390,9 +393,9 @@ class EngineMetrics:
                 self._last_seen = records[-1]
 
     def collect(self):
-        """Live gauges and cumulative counters (called by the registry at each scrape)."""
+        """Live gauges and cumulative counters (called by the registry at each scrape), read from the
+        engine's latest telemetry snapshot and totals, never from the scheduler itself."""
         p, m = self.prefix, [self.model_name]
-        core = self.engine.core
         tel = self.engine.telemetry
         snap = tel.latest()
 
@@ -419,11 +422,11 @@ class EngineMetrics:
                       tel.total_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", tel.total_generated_tokens)
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      core.kv.prefix_queries)
+                      getattr(snap, "prefix_cache_queries", 0))
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      core.kv.prefix_hits)
+                      getattr(snap, "prefix_cache_hits", 0))
         yield counter("num_preemptions", "Cumulative number of preemption from the engine.",
-                      core.scheduler.num_preemptions)
+                      snap.num_preemptions if snap else 0)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (after :meth:`sync`)."""
@@ -519,8 +522,11 @@ class OpenAIServer:
             first = await until_disconnected(request, agen.__anext__())
         except ValueError as e:
             self.metrics.reject("invalid")
-            param, code = _param_of(str(e), prompt_param)
-            raise APIError(400, str(e), param=param, code=code) from None
+            msg = str(e)
+            param, code = _param_of(msg, prompt_param)
+            if param == "n":
+                msg = f"n too large: {msg}"
+            raise APIError(400, msg, param=param, code=code) from None
         except EngineOverloadedError as e:
             self.metrics.reject("overloaded")
             raise APIError(429, str(e), type="server_overloaded", code="engine_overloaded",
@@ -528,6 +534,10 @@ class OpenAIServer:
         except RuntimeError as e:
             self.metrics.reject("unavailable")
             raise APIError(503, str(e), type="service_unavailable", code="engine_not_running") from None
+        error = _error_of(first) if first.finished else None
+        if error is not None:  # failed before anything was sent: a plain 500, streaming or not
+            await agen.aclose()
+            raise APIError(500, error, type="internal_error", code=500)
         return agen, first
 
     async def complete(self, request: Request, agen, first: RequestOutput) -> RequestOutput:
@@ -689,7 +699,7 @@ class OpenAIServer:
     def model_card(self) -> dict:
         """The served model as ``/v1/models`` lists it."""
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "cbp",
-                "root": self.model_name, "parent": None, "max_model_len": self.engine.core.max_model_len}
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.config.max_model_len}
 
 
 def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit: int | None = None,

@@ -17,6 +17,7 @@ from typing import Any
 
 import gradio as gr
 
+from engine.async_engine import EngineOverloadedError
 from engine.request import SamplingParams
 
 
@@ -139,6 +140,8 @@ class ChatHandlers:
                         yield (shown(text), gr.skip())
         except ValueError as exc:  # rejected at admission (e.g. prompt longer than the context)
             yield (shown(f"⚠️ {exc}"), gr.skip())
+        except EngineOverloadedError as exc:  # too many requests in flight: ask to retry
+            yield (shown(f"⏳ {exc}"), gr.skip())
         finally:
             self.active.discard(session, request_id)
 

@@ -118,6 +118,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
+        """``http://host:port`` (the real port once started)."""
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
