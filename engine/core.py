@@ -36,6 +36,14 @@ from engine.telemetry import (
 log = logging.getLogger(__name__)
 
 
+def _check_text(text: str, what: str) -> None:
+    """Raise ``ValueError`` when ``text`` cannot be encoded as UTF-8 (e.g. a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at position {e.start}") from None
+
+
 def _eos_ids(tokenizer, model) -> frozenset[int]:
     ids: set[int] = set()
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -104,6 +112,8 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted_now: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # request id -> its sequences, for n > 1
+        self._live: set[str] = set()  # ids of requests added and not finished
+        self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt) -> list[int]:
@@ -116,6 +126,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            _check_text(prompt, "the prompt")
             return self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             vocab = self.model.config.get_text_config().vocab_size
@@ -126,6 +137,8 @@ class EngineCore:
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError("each chat message needs a string 'role' and a string 'content'")
+                _check_text(m["role"], "a chat message role")
+                _check_text(m["content"], "a chat message")
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(prompt, (list, tuple)) and not prompt:
@@ -144,6 +157,14 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         params.validate()
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise ValueError("cache_salt must be a string")
+            _check_text(cache_salt, "cache_salt")
+        if request_id is not None and (not isinstance(request_id, str) or "#" in request_id):
+            raise ValueError("a request id must be a string without '#'")
+        if request_id is not None:
+            _check_text(request_id, "the request id")
         ids = self.tokenize(prompt)
         rid = request_id or uuid.uuid4().hex
         seqs = []
@@ -182,16 +203,17 @@ class EngineCore:
                 return
             if kind == "add":
                 try:
-                    if item.group_id in self._groups:
+                    if item.group_id in self._live:
                         raise ValueError(f"request id {item.group_id!r} is already in use")
                     self.scheduler.add_request(item)
+                    self._live.add(item.group_id)
                     if item.pending_forks:
                         self._groups[item.group_id] = [item] + item.pending_forks
                 except ValueError as e:  # e.g. a duplicate id: fail that request alone
                     for seq in [item] + item.pending_forks:
                         seq.status = RequestStatus.FINISHED_ERROR
                         seq.error = str(e)
-                        self._aborted_now.append(seq)
+                    self._rejected.append(item)
             else:
                 for seq in self._groups.get(item, [None]):
                     req = self.scheduler.abort(item if seq is None else seq.request_id)
@@ -206,6 +228,7 @@ class EngineCore:
         """Run one engine iteration. Returns an output for every request that got a token or ended."""
         t0 = time.monotonic()
         self._aborted_now = []
+        self._rejected = []
         self._drain_inbox()
         sched = self.scheduler.schedule()
         slot_map = list(self.scheduler.slots)
@@ -227,7 +250,8 @@ class EngineCore:
                 forward_time = time.monotonic() - tf
                 changed = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
         finished = self._aborted_now + self.scheduler.finished_in_step
-        outputs = self._outputs(changed, finished)
+        outputs = self._outputs(changed, finished) + [self._output(r, [r] + r.pending_forks) for r in self._rejected]
+        self._rejected = []
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, slot_map, changed, finished)
@@ -253,27 +277,29 @@ class EngineCore:
                 continue
             seen.add(gid)
             seqs = self._groups.get(gid, [req])
-            completions = []
-            for seq in seqs:
-                delta, seq.pending_text = seq.pending_text, ""
-                seq.output_text += delta
-                completions.append(CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), delta,
-                                                    seq.status.finish_reason, seq.stop_reason))
-            done = all(seq.is_finished for seq in seqs)
-            if done:
+            out = self._output(req, seqs)
+            if out.finished:
                 self._groups.pop(gid, None)
-            outs.append(
-                RequestOutput(
-                    request_id=gid,
-                    prompt=req.prompt,
-                    prompt_token_ids=req.prompt_token_ids,
-                    outputs=completions,
-                    finished=done,
-                    error=next((seq.error for seq in seqs if seq.error), None),
-                    metrics=self._metrics(seqs[0]),
-                )
-            )
+                self._live.discard(gid)
+            outs.append(out)
         return outs
+
+    def _output(self, req: Request, seqs: list[Request]) -> RequestOutput:
+        completions = []
+        for seq in seqs:
+            delta, seq.pending_text = seq.pending_text, ""
+            seq.output_text += delta
+            completions.append(CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), delta,
+                                                seq.status.finish_reason, seq.stop_reason))
+        return RequestOutput(
+            request_id=req.group_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=all(seq.is_finished for seq in seqs),
+            error=next((seq.error for seq in seqs if seq.error), None),
+            metrics=self._metrics(seqs[0]),
+        )
 
     @staticmethod
     def _metrics(req: Request) -> dict:

@@ -7,6 +7,7 @@ Names follow vLLM v1: a :class:`Request` holds ``prompt_token_ids``, ``output_to
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it.
         min_p: drop tokens whose probability is below ``min_p`` x the top probability; 0 disables.
-        repetition_penalty: > 0; 1 disables. Applied to tokens of the prompt and of the output
+        repetition_penalty: in [0.01, 100]; 1 disables. Applied to tokens of the prompt and of the output
             (CTRL paper, Keskar et al. 2019, as in vLLM and transformers).
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
         max_tokens: maximum number of generated tokens (>= 1); None means up to the context length.
@@ -94,16 +95,17 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0.01 <= self.repetition_penalty <= 100.0):
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):

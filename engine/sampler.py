@@ -349,4 +349,5 @@ def _draw_full(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     frac = ((target - before) / block_mass.gather(1, b)).clamp_(0.0, 1.0)  # position inside the block
     inner = blocks.gather(1, b.unsqueeze(2).expand(r, 1, _CDF_BLOCK)).squeeze(1)  # [R, 256]
     pos = _inverse_cdf(inner, frac.squeeze(1).clamp(max=1.0 - 2.0**-53))
-    return b.squeeze(1) * _CDF_BLOCK + pos
+    # a row with no usable mass (NaN) could land in the padding: never return an id past the vocabulary
+    return (b.squeeze(1) * _CDF_BLOCK + pos).clamp_(max=vocab - 1)

@@ -149,6 +149,7 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            req.pending_forks = [s for s in req.pending_forks if not s.is_finished]  # aborted siblings
             free_slots = [i for i, r in enumerate(self.slots) if r is None]
             if len(free_slots) < 1 + len(req.pending_forks):  # parallel samples need a slot each
                 break

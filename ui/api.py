@@ -76,9 +76,26 @@ class APIError(Exception):
         """The JSON body of the error response."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        """The error as a response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        """The error as a response (ASCII JSON, so echoed user input can never break the encoding)."""
+        return Response(json.dumps(self.body(), ensure_ascii=True), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
+
+
+def _check_unicode(value, path: str = "body") -> None:
+    """Raise a 400 :class:`APIError` naming the first string in a parsed body that is not valid Unicode
+    (a lone surrogate is valid JSON but cannot be encoded as UTF-8 for the tokenizer)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path} is not valid Unicode text (lone surrogate)", param=path) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(v, f"{path}.{k}" if path != "body" else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}[{i}]")
 
 
 class _ClientGone(Exception):
@@ -761,11 +778,21 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         """OpenAI chat completions (streaming with ``stream: true``)."""
+        try:
+            _check_unicode(body.model_dump())
+        except APIError as e:
+            metrics.reject("invalid")
+            return e.response()
         return await server.chat(request, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         """OpenAI (legacy) text completions (streaming with ``stream: true``)."""
+        try:
+            _check_unicode(body.model_dump())
+        except APIError as e:
+            metrics.reject("invalid")
+            return e.response()
         return await server.completions(request, body)
 
     @app.get("/v1/models")
