@@ -825,6 +825,7 @@ def run_systems(systems: Sequence[str], model, tokenizer, cb_model, requests: Se
     warm_up(model, tokenizer, requests, systems)
     for name in systems:
         print(f"[{label}] {name} ...", flush=True)
+        load_before = os.getloadavg()[0]
         t = time.perf_counter()
         if name == "ours-continuous":
             run = run_ours(model, tokenizer, requests, "continuous", **engine_args_from(args))
@@ -846,9 +847,11 @@ def run_systems(systems: Sequence[str], model, tokenizer, cb_model, requests: Se
                                     else sum(1 for k, v in toks.items() if ref_tokens.get(k) == v))
         m["workload"] = label
         m["series"] = step_series(run)
+        m["load_before"], m["load_after"] = load_before, os.getloadavg()[0]
         results.append(m)
         print(f"[{label}] {name}: {m['generated_tokens']} tokens in {m['wall_s']:.1f} s = "
-              f"{m['tokens_per_s']:.1f} tokens/s ({time.perf_counter() - t:.1f} s)", flush=True)
+              f"{m['tokens_per_s']:.1f} tokens/s ({time.perf_counter() - t:.1f} s; 1-min load average "
+              f"{m['load_before']:.2f} -> {m['load_after']:.2f})", flush=True)
     return results
 
 
@@ -901,6 +904,8 @@ def format_table(results: Sequence[dict], baseline: str = "hf-static") -> str:
         ("e2e p50/p90/p99 s", lambda r: "/".join(_fmt(None if r[f'e2e_p{q}_ms'] is None else r[f'e2e_p{q}_ms'] / 1000)
                                                  for q in (50, 90, 99)), ">"),
         ("same tok", lambda r: _fmt(r.get("same_tokens_as_ours")), ">"),
+        ("load", lambda r: "-" if r.get("load_before") is None else f"{r['load_before']:.1f}->{r['load_after']:.1f}",
+         ">"),
     ]
     rows = [[c[0] for c in cols]] + [[c[1](r) for c in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
@@ -951,6 +956,7 @@ def _cpu_name() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m engine.bench`` (see ``--help``)."""
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default="offline", choices=["offline", "online", "multiturn", "all"],
@@ -989,6 +995,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark chosen by ``argv``; print tables, write ``--json`` / ``--html``. Returns the exit
+    status (0, or 2 for an unknown system)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -10,6 +10,7 @@ import gradio as gr
 from ui.chat import ChatHandlers
 from ui.i18n import I18N, language, t
 from ui.loadgen import LoadGenerator
+from ui.compare import build_compare_tab
 from ui.panels import COUNTER_KEYS, Panels
 
 CSS = """
@@ -71,49 +72,53 @@ def build_app(
         gr.Markdown(t("title"))
         gr.Markdown(t("subtitle"))
         gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=2, min_width=360):
-                chatbot = gr.Chatbot(label=t("chat"), height=430, elem_id="chatbot", buttons=["copy"],
-                                     feedback_options=None)
-                with gr.Row():
-                    msg = gr.Textbox(show_label=False, placeholder=t("placeholder"), scale=5, lines=1,
-                                     max_lines=4, elem_id="msg", submit_btn=False)
-                    send = gr.Button(t("send"), variant="primary", scale=1, min_width=70, elem_id="send")
-                    stop = gr.Button(t("stop"), variant="stop", scale=1, min_width=70, elem_id="stop")
-                    clear_btn = gr.Button(t("clear"), scale=1, min_width=70, elem_id="clear")
-                with gr.Accordion(t("sampling"), open=False):
-                    temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label=t("temperature"))
-                    top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label=t("top_p"))
-                    max_new = gr.Slider(1, 1024, value=256, step=1, label=t("max_new_tokens"))
-                    seed = gr.Number(value=-1, precision=0, label=t("seed"))
-                with gr.Accordion(t("loadgen"), open=True):
-                    gr.Markdown(t("loadgen_help"), elem_classes="cbp-note")
+        with gr.Tab(t("tab_playground"), id="playground"):
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=2, min_width=360):
+                    chatbot = gr.Chatbot(label=t("chat"), height=430, elem_id="chatbot", buttons=["copy"],
+                                         feedback_options=None)
                     with gr.Row():
-                        n_chats = gr.Slider(1, 64, value=16, step=1, label=t("num_chats"))
-                        rate = gr.Slider(0.5, 20, value=4, step=0.5, label=t("rate"))
+                        msg = gr.Textbox(show_label=False, placeholder=t("placeholder"), scale=5, lines=1,
+                                         max_lines=4, elem_id="msg", submit_btn=False)
+                        send = gr.Button(t("send"), variant="primary", scale=1, min_width=70, elem_id="send")
+                        stop = gr.Button(t("stop"), variant="stop", scale=1, min_width=70, elem_id="stop")
+                        clear_btn = gr.Button(t("clear"), scale=1, min_width=70, elem_id="clear")
+                    with gr.Accordion(t("sampling"), open=False):
+                        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label=t("temperature"))
+                        top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label=t("top_p"))
+                        max_new = gr.Slider(1, 1024, value=256, step=1, label=t("max_new_tokens"))
+                        seed = gr.Number(value=-1, precision=0, label=t("seed"))
+                    with gr.Accordion(t("loadgen"), open=True):
+                        gr.Markdown(t("loadgen_help"), elem_classes="cbp-note")
+                        with gr.Row():
+                            n_chats = gr.Slider(1, 64, value=16, step=1, label=t("num_chats"))
+                            rate = gr.Slider(0.5, 20, value=4, step=0.5, label=t("rate"))
+                        with gr.Row():
+                            start_btn = gr.Button(t("start_load"), variant="primary", elem_id="start-load")
+                            stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")
+                        load_status = gr.Textbox(label=t("load_status"), interactive=False, elem_id="load-status")
+                with gr.Column(scale=3, min_width=480):
+                    counters = {}
+                    with gr.Row(elem_id="counters"):
+                        for key in COUNTER_KEYS[:4]:
+                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=100,
+                                                       elem_id=f"counter-{key}")
                     with gr.Row():
-                        start_btn = gr.Button(t("start_load"), variant="primary", elem_id="start-load")
-                        stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")
-                    load_status = gr.Textbox(label=t("load_status"), interactive=False, elem_id="load-status")
-            with gr.Column(scale=3, min_width=480):
-                counters = {}
-                with gr.Row(elem_id="counters"):
-                    for key in COUNTER_KEYS[:4]:
-                        counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=100,
-                                                   elem_id=f"counter-{key}")
-                with gr.Row():
-                    for key in COUNTER_KEYS[4:]:
-                        counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
-                                                   elem_id=f"counter-{key}")
-                occupancy = gr.Plot(label=t("occupancy"), elem_id="occupancy")
-                blocks = gr.Plot(label=t("blocks"), elem_id="blockmap")
-                with gr.Accordion(t("rates"), open=False):
-                    rates = gr.Plot(label=t("rates"), show_label=False, elem_id="rates")
-                with gr.Row():
-                    window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=3)
-                    live = gr.Checkbox(value=True, label=t("live"), scale=1)
-                with gr.Accordion(t("how_title"), open=True):
-                    gr.Markdown(t("how"), elem_classes="cbp-note")
+                        for key in COUNTER_KEYS[4:]:
+                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
+                                                       elem_id=f"counter-{key}")
+                    occupancy = gr.Plot(label=t("occupancy"), elem_id="occupancy")
+                    blocks = gr.Plot(label=t("blocks"), elem_id="blockmap")
+                    with gr.Accordion(t("rates"), open=False):
+                        rates = gr.Plot(label=t("rates"), show_label=False, elem_id="rates")
+                    with gr.Row():
+                        window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=3)
+                        live = gr.Checkbox(value=True, label=t("live"), scale=1)
+                    with gr.Accordion(t("how_title"), open=True):
+                        gr.Markdown(t("how"), elem_classes="cbp-note")
+        with gr.Tab(t("tab_compare"), id="compare"):
+            build_compare_tab(engine)
+
         seen = gr.State(None)
         timer = gr.Timer(refresh_s)
 
