@@ -4,7 +4,7 @@ Examples::
 
     python -m engine "What is the capital of France?"
     python -m engine --num-prompts 32 --policy static          # built-in chats, mixed max_tokens
-    python -m engine --workload ../shared/bench/w64.json          # the reference workload W64
+    python -m engine --workload bench/w64.json                    # the reference workload W64
 """
 
 from __future__ import annotations
