@@ -17,14 +17,16 @@ Workloads (all seeded, nothing downloaded):
 * ``offline`` (default): every request at time 0. Default: 64 built-in chat prompts
   (:mod:`engine.prompts`) with right-skewed output lengths between 16 and 256 tokens
   (:func:`skewed_max_tokens`); ``--workload PATH`` reads a W64-style JSON file instead (the reference
-  workload ``../shared/bench/w64.json``). Greedy, EOS ignored: every system generates exactly the same
+  workload ``bench/w64.json``). Greedy, EOS ignored: every system generates exactly the same
   number of tokens.
 * ``online``: the same requests arriving as a Poisson process at ``--rate`` requests/s; TTFT, TPOT and
   end-to-end latency percentiles.
 * ``multiturn``: ``--conversations`` C chats of ``--turns`` T turns; each turn resends the whole history
   (prompt + previous answers, token for token), once with prefix caching and once without.
 
-``--profile`` prints where one decode step at 64 running requests spends its time instead.
+``--profile`` prints where one decode step at 64 running requests spends its time instead;
+``--mode replay`` replays the workload through our scheduler and KV manager alone (no model) at block
+sizes 8, 16 and 32: steps, idle slot-steps and KV shares in seconds.
 
 Units: times in seconds unless a key ends in ``_ms``; rates per second; KV in tokens (one token = K and
 V of every layer); shares in percent.
@@ -50,13 +52,11 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.prompts import chat_prompts
 from engine.request import SamplingParams
-from engine.telemetry import PHASE_IDLE, StepSnapshot
+from engine.telemetry import PHASE_IDLE, StepSnapshot, percentile
 
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("ours-continuous", "ours-static", "hf-static", "hf-cb")
-DEFAULT_W64 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "bench",
-                           "w64.json")
 
 
 # ==================================================================================================
@@ -296,17 +296,6 @@ class SystemRun:
     prefill_tokens: int | None = None
     notes: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def kv_from_snapshot(snap: StepSnapshot, block_size: int) -> tuple[int, int]:
@@ -680,6 +669,55 @@ def run_hf_cb(
 
 
 # ==================================================================================================
+# scheduler-only replay (no model)
+# ==================================================================================================
+def replay_schedule(requests: Sequence[BenchRequest], policy: str = "continuous", **engine_args) -> dict:
+    """Replay an offline workload through our :class:`Scheduler` and :class:`KVCacheManager` alone, with
+    a fake sampler (token 0) and no model: steps, idle slot-steps and KV shares in a second.
+
+    With EOS ignored the schedule does not depend on the tokens, so this gives exactly the engine's steps,
+    idle slot-steps and KV accounting (as :func:`kv_from_snapshot` computes it) for any ``block_size``,
+    ``max_num_seqs`` or pool size.
+
+    Returns:
+        ``{"policy", "block_size", "steps", "idle_slot_steps", "kv_real_pct_mean" (%), "kv_reserved_peak"
+        (tokens), "preemptions"}``.
+    """
+    from engine.kv_cache import KVCacheManager
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    engine_args.setdefault("num_blocks", 11648 // engine_args.get("block_size", 16))
+    cfg = EngineConfig.from_kwargs(policy=policy, **engine_args)
+    bs, nb = cfg.block_size, cfg.num_blocks
+    kv = KVCacheManager(nb, bs, cfg.enable_prefix_caching)
+    sched = Scheduler(cfg, kv, max_model_len=nb * bs)
+    for r in requests:
+        sched.add_request(Request(r.request_id, r.prompt_token_ids,
+                                  SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), max_model_len=nb * bs))
+    steps = idle = reserved_sum = real_sum = peak = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        slots = list(sched.slots)
+        n_sched = {q.request_id for q, _ in out.scheduled}
+        idle += sum(1 for q in slots if q is not None and q.request_id not in n_sched)
+        sampled = {q.request_id: 0 for q, n in out.scheduled if q.num_computed_tokens + n == q.num_tokens}
+        sched.update(out, sampled)
+        steps += 1
+        tokens = [0] * nb
+        for q in sched.running:
+            for j, b in enumerate(q.block_ids):
+                tokens[b] = max(tokens[b], min(bs, max(0, q.num_computed_tokens - j * bs)))
+        res = sum(bs for ref in kv.pool.ref_cnt if ref > 0)
+        reserved_sum += res
+        real_sum += sum(t for ref, t in zip(kv.pool.ref_cnt, tokens) if ref > 0)
+        peak = max(peak, res)
+    return {"policy": policy, "block_size": bs, "steps": steps, "idle_slot_steps": idle,
+            "kv_real_pct_mean": 100.0 * real_sum / max(1, reserved_sum), "kv_reserved_peak": peak,
+            "preemptions": sched.num_preemptions}
+
+
+# ==================================================================================================
 # the profile of one decode step
 # ==================================================================================================
 def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int = 150, steps: int = 5,
@@ -959,10 +997,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m engine.bench`` (see ``--help``)."""
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="offline", choices=["offline", "online", "multiturn", "all"],
-                   help="workload kind (default: offline); all = offline, online and multiturn")
+    p.add_argument("--mode", default="offline", choices=["offline", "online", "multiturn", "all", "replay"],
+                   help="workload kind (default: offline); all = offline, online and multiturn; replay = our "
+                   "scheduler and KV manager alone, no model, at block sizes 8/16/32 (steps, idle slots, KV)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--workload", default=None, help="a W64-style JSON file (e.g. ../shared/bench/w64.json); "
+    p.add_argument("--workload", default=None, help="a W64-style JSON file (e.g. bench/w64.json); "
                    "default: built-in prompts with skewed max_tokens")
     p.add_argument("--num-requests", type=int, default=None, help="requests (default 64; quick 16)")
     p.add_argument("--max-tokens-low", type=int, default=16)
@@ -1022,6 +1061,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: load average {load_start[0]:.1f} > {os.cpu_count()} CPUs: {torch.get_num_threads()}-thread "
               "OpenMP matmuls slow down several times when other processes hold the cores; compare systems "
               "only within this run, or use --threads 1 (or OMP_WAIT_POLICY=PASSIVE)", flush=True)
+    if args.mode == "replay":
+        from engine.model_loader import load_tokenizer
+
+        requests = (load_workload(args.workload) if args.workload
+                    else offline_workload(load_tokenizer(args.model), n, args.max_tokens_low, high, args.seed))
+        kw = engine_args_from(args)
+        print(f"{'policy':<11} {'block':>5} {'steps':>6} {'idle slot-steps':>15} {'KV real %':>9} "
+              f"{'KV peak tok':>11}")
+        for policy in ("continuous", "static"):
+            for bs in (8, 16, 32):
+                kw.update(block_size=bs, num_blocks=args.num_blocks or 11648 // bs)
+                r = replay_schedule(requests, policy, **kw)
+                print(f"{policy:<11} {bs:>5} {r['steps']:>6} {r['idle_slot_steps']:>15} "
+                      f"{r['kv_real_pct_mean']:>9.1f} {r['kv_reserved_peak']:>11}")
+        return 0
     need_cb = "hf-cb" in systems and args.mode in ("offline", "online", "all") and not args.profile
     t = time.perf_counter()
     model, tok, cb_model = load_models(args, need_cb)

@@ -119,7 +119,8 @@ class FinishedRequestStats:
     finish_reason: str | None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values, q: float) -> float | None:
+    """The ``q``-th percentile (0..100) of ``values`` with linear interpolation; None for no values."""
     if not values:
         return None
     s = sorted(values)
@@ -228,5 +229,5 @@ class Telemetry:
         tpots = [f.tpot for f in finished if f.tpot is not None]
         for name, vals in (("ttft", ttfts), ("tpot", tpots)):
             for q in (50, 90, 99):
-                out[f"{name}_p{q}"] = _percentile(vals, q)
+                out[f"{name}_p{q}"] = percentile(vals, q)
         return out

@@ -75,6 +75,12 @@ def test_static_holds_finished_rows_and_reserves_up_front(clean_model, tokenizer
     assert m["idle_slot_steps"] == sum(max(lengths) - n for n in lengths)
     # prompt + max_tokens reserved at admission: a lower share holds real tokens
     assert m["kv_real_pct_mean"] < cont["kv_real_pct_mean"]
+    # the model-free replay of the same schedule gives the same counts
+    for policy, metrics in (("static", m), ("continuous", cont)):
+        r = bench.replay_schedule(workload, policy, max_num_seqs=8, num_blocks=64)
+        assert (r["steps"], r["idle_slot_steps"], r["kv_reserved_peak"]) == (
+            metrics["steps"], metrics["idle_slot_steps"], metrics["kv_reserved_peak"])
+        assert r["kv_real_pct_mean"] == pytest.approx(metrics["kv_real_pct_mean"])
     assert run.steps[0].kv_reserved >= sum(-(-(len(r.prompt_token_ids) + r.max_tokens - 1) // 16) * 16
                                            for r in workload) - 16  # the shared system-prompt block counts once
 
