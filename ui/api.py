@@ -775,25 +775,24 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
                         else "server_error").response()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
-        """OpenAI chat completions (streaming with ``stream: true``)."""
+    def _unicode_error(body) -> Response | None:
+        """A 400 response when a string of the parsed body is not valid Unicode, else None."""
         try:
             _check_unicode(body.model_dump())
         except APIError as e:
             metrics.reject("invalid")
             return e.response()
-        return await server.chat(request, body)
+        return None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        """OpenAI chat completions (streaming with ``stream: true``)."""
+        return _unicode_error(body) or await server.chat(request, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         """OpenAI (legacy) text completions (streaming with ``stream: true``)."""
-        try:
-            _check_unicode(body.model_dump())
-        except APIError as e:
-            metrics.reject("invalid")
-            return e.response()
-        return await server.completions(request, body)
+        return _unicode_error(body) or await server.completions(request, body)
 
     @app.get("/v1/models")
     async def models():
