@@ -16,6 +16,7 @@ import sys
 import time
 
 from engine.llm import LLM
+from engine.options import add_engine_options, engine_kwargs
 from engine.prompts import chat_prompts, mixed_max_tokens
 from engine.request import SamplingParams
 
@@ -26,16 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     p.add_argument("--num-prompts", type=int, default=0, help="add N built-in chat prompts with mixed max_tokens (16..256)")
     p.add_argument("--workload", help="a W64-style JSON file (requests with prompt_token_ids and max_tokens)")
-    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None, help="bfloat16, float32 or float16 (default: auto)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--policy", default="continuous", choices=["continuous", "static"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB, or 0.5 for half the free memory")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_options(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -72,24 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         prompts.append([{"role": "user", "content": "What is the capital of France?"}])
         params.append(sp(args.max_tokens, args.ignore_eos))
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, policy=args.policy,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-              enable_prefix_caching=not args.no_prefix_caching)
+    llm = LLM(**engine_kwargs(args))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     if not args.quiet:
         for i, o in enumerate(outs):
             print(f"--- [{i}] ({len(o.token_ids)} tokens, {o.finish_reason})\n{o.text}")
-    eng = llm.engine
+    st = llm.engine.stats()
     gen = sum(len(o.token_ids) for o in outs)
-    tel = eng.telemetry
     print(
-        f"summary: policy={args.policy} dtype={eng.runner.dtype} requests={len(outs)} steps={eng.step_count} "
+        f"summary: policy={args.policy} dtype={st.dtype} requests={len(outs)} steps={st.step_count} "
         f"generated_tokens={gen} time={elapsed:.2f}s tokens/s={gen / elapsed:.1f} "
-        f"peak_blocks_used={eng.peak_used_blocks}/{eng.kv.num_blocks} idle_slot_steps={tel.total_idle_slot_steps} "
-        f"preemptions={eng.scheduler.num_preemptions}"
+        f"peak_blocks_used={st.peak_used_blocks}/{st.num_blocks} idle_slot_steps={st.idle_batch_slot_steps} "
+        f"preemptions={st.num_preemptions}"
     )
     return 0
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.request import RequestOutput, RequestStatus, SamplingParams
+from engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +114,7 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
-        sched = self.core.scheduler
-        sched.finished_in_step = []
-        for req in list(sched.running) + list(sched.waiting):
-            sched.finish(req, RequestStatus.FINISHED_ERROR, error=f"engine error: {exc!r}")
-        return self.core._outputs([], sched.finished_in_step)
+        return self.core.fail_all(f"engine error: {exc!r}")
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:

@@ -47,6 +47,9 @@ class EngineConfig:
         kv_cache_memory: KV budget in bytes (int or ``"512MiB"``) or a fraction of free device memory.
         max_num_seqs: batch slots: requests running at once.
         max_num_batched_tokens: token budget of one step (tokens).
+        prefill_chunk_tokens: while any request decodes, the prompt tokens of one step (all chunks
+            together) are at most this many (tokens), so a long prompt never freezes running streams;
+            with nothing decoding, prompts use the whole ``max_num_batched_tokens``.
         max_model_len: context length (tokens); None = the model's, capped by the KV pool's capacity.
         policy: ``"continuous"`` or ``"static"`` (comparison only).
         enable_prefix_caching: reuse cached full blocks of identical prefixes.
@@ -62,6 +65,7 @@ class EngineConfig:
     kv_cache_memory: int | float | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int = 256
     max_model_len: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True
@@ -71,8 +75,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens) < 1:
+            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and prefill_chunk_tokens must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)

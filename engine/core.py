@@ -1,4 +1,4 @@
-"""EngineCore: one engine step = schedule -> forward -> sample -> update -> telemetry.
+"""EngineCore: one engine step = schedule -> forward -> sample -> update -> output -> telemetry.
 
 ``add_request`` and ``abort_request`` may be called from any thread: they only validate and put a
 message in an inbox, which :meth:`EngineCore.step` drains on the stepping thread. Everything else
@@ -16,22 +16,14 @@ import uuid
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, bytes_per_block
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.output_processor import OutputProcessor
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.telemetry import (
-    PHASE_DECODE,
-    PHASE_IDLE,
-    PHASE_PREFILL,
-    FinishedRequestStats,
-    SlotSnapshot,
-    StepSnapshot,
-    Telemetry,
-)
+from engine.telemetry import BatchSlotSnapshot, FinishedRequestStats, StepSnapshot, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +45,35 @@ def _eos_ids(tokenizer, model) -> frozenset[int]:
     if eos is not None:
         ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     return frozenset(ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters of an engine (plain data, for command lines, benches and tests).
+
+    Attributes:
+        step_count: engine steps run.
+        num_running / num_waiting: requests now running / waiting.
+        num_preemptions: preemptions so far.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the prefix cache.
+        num_used_blocks / peak_used_blocks / num_blocks: KV blocks held now / at most / in the pool.
+        block_size: tokens per block.
+        idle_batch_slot_steps: batch-slot steps held without work (the static policy's waste).
+        dtype: the model's dtype, e.g. ``"torch.float32"``.
+    """
+
+    step_count: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_used_blocks: int
+    peak_used_blocks: int
+    num_blocks: int
+    block_size: int
+    idle_batch_slot_steps: int
+    dtype: str
 
 
 def _num_blocks(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
@@ -105,12 +126,12 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size)
         self.sampler = Sampler()
+        self.output_processor = OutputProcessor(tokenizer)
         self.telemetry = Telemetry(capacity=cfg.telemetry_capacity)
         self.eos_token_ids = _eos_ids(tokenizer, model)
         self.step_count = 0
         self.peak_used_blocks = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._aborted_now: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # request id -> its sequences, for n > 1
         self._live: set[str] = set()  # ids of requests added and not finished
         self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
@@ -174,7 +195,7 @@ class EngineCore:
             req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp, self.eos_token_ids, self.max_model_len,
                           prompt=prompt)
             req.group_id, req.index, req.cache_salt = rid, i, cache_salt
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, sp.skip_special_tokens)
+            req.detokenizer = self.output_processor.new_detokenizer(ids, sp)
             seqs.append(req)
         seqs[0].pending_forks = seqs[1:]
         self.scheduler.check_request(seqs[0])
@@ -216,29 +237,44 @@ class EngineCore:
                     self._rejected.append(item)
             else:
                 for seq in self._groups.get(item, [None]):
-                    req = self.scheduler.abort(item if seq is None else seq.request_id)
-                    if req is not None:
-                        self._aborted_now.append(req)
+                    self.scheduler.abort(item if seq is None else seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or not self._inbox.empty()
+        """True while a request is waiting, running, or queued for the next step."""
+        return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (call from the stepping thread, or when it is idle)."""
+        kv = self.kv
+        return EngineStats(
+            step_count=self.step_count,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_used_blocks=kv.num_used_blocks,
+            peak_used_blocks=self.peak_used_blocks,
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            idle_batch_slot_steps=self.telemetry.total_idle_slot_steps,
+            dtype=str(self.runner.dtype),
+        )
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration. Returns an output for every request that got a token or ended."""
         t0 = time.monotonic()
-        self._aborted_now = []
         self._rejected = []
         self._drain_inbox()
         sched = self.scheduler.schedule()
-        slot_map = list(self.scheduler.slots)
+        batch_slots = self.scheduler.batch_slot_snapshot(sched)
         changed: list[Request] = []
         forward_time = 0.0
-        self.scheduler.finished_in_step = []
         if not sched.is_empty:
             tf = time.monotonic()
             try:
-                logits, sampling = self.runner.execute(sched.scheduled, sched.blocks_to_copy)
+                logits, sampling = self.runner.execute_model(sched.scheduled, sched.blocks_to_copy)
                 logits, sampling = self._add_fork_rows(logits, sampling)
                 tokens = self.sampler.sample(logits, sampling) if sampling else []
             except Exception as e:  # fail this step's requests alone; keep serving
@@ -248,14 +284,24 @@ class EngineCore:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=f"model forward failed: {e!r}")
             else:
                 forward_time = time.monotonic() - tf
-                changed = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
-        finished = self._aborted_now + self.scheduler.finished_in_step
-        outputs = self._outputs(changed, finished) + [self._output(r, [r] + r.pending_forks) for r in self._rejected]
+                changed = self.scheduler.update_from_output(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
+                for req in self.output_processor.process_tokens(changed):
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        finished = self.scheduler.take_finished()
+        outputs = self._outputs(changed + finished)
+        outputs += [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
         self._rejected = []
         if not sched.is_empty or finished:
             self.step_count += 1
-            self._record(t0, forward_time, sched, slot_map, changed, finished)
+            self._record(t0, forward_time, sched, batch_slots, changed, finished)
         return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every waiting and running request with ``error`` (their blocks go back to the pool)
+        and return their final outputs: what the async engine does when a step itself raised."""
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+        return self._outputs(self.scheduler.take_finished())
 
     @staticmethod
     def _add_fork_rows(logits, sampling: list[Request]):
@@ -267,81 +313,26 @@ class EngineCore:
         rows = torch.tensor([i for i, _ in extra], device=logits.device)
         return torch.cat([logits, logits.index_select(0, rows)]), sampling + [sib for _, sib in extra]
 
-    def _outputs(self, changed: list[Request], finished: list[Request]) -> list[RequestOutput]:
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
         """One :class:`RequestOutput` per user request touched this step (all n sequences of it)."""
         outs = []
         seen = set()
-        for req in changed + finished:
+        for req in touched:
             gid = req.group_id
             if gid in seen:
                 continue
             seen.add(gid)
-            seqs = self._groups.get(gid, [req])
-            out = self._output(req, seqs)
+            out = self.output_processor.make_output(req, self._groups.get(gid, [req]))
             if out.finished:
                 self._groups.pop(gid, None)
                 self._live.discard(gid)
             outs.append(out)
         return outs
 
-    def _output(self, req: Request, seqs: list[Request]) -> RequestOutput:
-        completions = []
-        for seq in seqs:
-            delta, seq.pending_text = seq.pending_text, ""
-            seq.output_text += delta
-            completions.append(CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), delta,
-                                                seq.status.finish_reason, seq.stop_reason))
-        return RequestOutput(
-            request_id=req.group_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=all(seq.is_finished for seq in seqs),
-            error=next((seq.error for seq in seqs if seq.error), None),
-            metrics=self._metrics(seqs[0]),
-        )
-
-    @staticmethod
-    def _metrics(req: Request) -> dict:
-        m = {
-            "arrival_time": req.arrival_time,
-            "first_token_time": req.first_token_time,
-            "finish_time": req.finish_time,
-            "num_preemptions": req.num_preemptions,
-            "ttft": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-        }
-        return m
-
-    def _record(self, t0, forward_time, sched: SchedulerOutput, slot_map, changed, finished) -> None:
-        bs = self.config.block_size
-        pool = self.kv.pool
-        n_sched = {r.request_id: n for r, n in sched.scheduled}
-        slots = []
-        for i, r in enumerate(slot_map):
-            if r is None:
-                slots.append(SlotSnapshot(i, None, PHASE_IDLE))
-                continue
-            n = n_sched.get(r.request_id, 0)
-            if n == 0:
-                phase = PHASE_IDLE
-            elif n > 1 or r.num_computed_tokens - n < r.num_prompt_tokens:
-                phase = PHASE_PREFILL
-            else:
-                phase = PHASE_DECODE
-            slots.append(SlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens))
-        tables = {}
-        tokens = [0] * pool.num_blocks
-        hit_blocks = set()
-        for r in self.scheduler.running:
-            tables[r.request_id] = tuple(r.block_ids)
-            hit_blocks.update(r.block_ids[: r.num_hit_blocks])
-            for j, b in enumerate(r.block_ids):
-                tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
-        cached = pool.cached_free_blocks()
-        for b in cached:
-            tokens[b] = bs
-        used = pool.num_used_blocks
-        self.peak_used_blocks = max(self.peak_used_blocks, used)
+    def _record(self, t0: float, forward_time: float, sched: SchedulerOutput,
+                batch_slots: tuple[BatchSlotSnapshot, ...], changed: list[Request], finished: list[Request]) -> None:
+        kv = self.kv.snapshot(self.scheduler.running)
+        self.peak_used_blocks = max(self.peak_used_blocks, kv.num_used_blocks)
         now = time.monotonic()
         self.telemetry.record(
             StepSnapshot(
@@ -349,12 +340,12 @@ class EngineCore:
                 time=now,
                 duration=now - t0,
                 forward_time=forward_time,
-                slots=tuple(slots),
-                block_tables=tables,
-                block_refcount=tuple(pool.ref_cnt),
-                block_tokens=tuple(tokens),
-                block_reuses=tuple(pool.reuses),
-                cached_blocks=frozenset(cached),
+                batch_slots=batch_slots,
+                block_tables=kv.block_tables,
+                block_refcount=kv.block_refcount,
+                block_tokens=kv.block_tokens,
+                block_reuses=kv.block_reuses,
+                cached_blocks=kv.cached_blocks,
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 num_scheduled_tokens=sched.num_scheduled_tokens,
@@ -362,18 +353,14 @@ class EngineCore:
                 num_preemptions=self.scheduler.num_preemptions,
                 finished=tuple(r.request_id for r in finished),
                 admitted=tuple(r.request_id for r in sched.admitted),
-                prefix_cache_queries=self.kv.prefix_queries,
-                prefix_cache_hits=self.kv.prefix_hits,
-                cache_hit_blocks=frozenset(hit_blocks),
+                prefix_cache_queries=kv.prefix_cache_queries,
+                prefix_cache_hits=kv.prefix_cache_hits,
+                cache_hit_blocks=kv.cache_hit_blocks,
+                waiting=tuple(r.request_id for r in self.scheduler.waiting),
             )
         )
         for r in finished:
-            n_out = len(r.output_token_ids)
-            ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
-            tpot = None
-            if r.first_token_time is not None and n_out > 1 and r.finish_time is not None:
-                tpot = (r.finish_time - r.first_token_time) / (n_out - 1)
             self.telemetry.record_finished(
-                FinishedRequestStats(r.request_id, ttft, tpot, (r.finish_time or now) - r.arrival_time,
-                                     r.num_prompt_tokens, n_out, r.status.finish_reason)
+                FinishedRequestStats(r.request_id, r.ttft, r.tpot, (r.finish_time or now) - r.arrival_time,
+                                     r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)
             )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from engine.request import Request
 
@@ -137,6 +139,33 @@ class BlockPool:
                 self.cached.pop(h, None)
 
 
+@dataclass(frozen=True)
+class KVCacheSnapshot:
+    """Plain-data view of the paged KV cache after a step (for telemetry; safe to keep).
+
+    Attributes:
+        block_tables: request id -> physical block ids, for each request given to :meth:`KVCacheManager.snapshot`.
+        block_refcount: per physical block, the number of block tables holding it.
+        block_tokens: per physical block, tokens filled in it (0..block_size; ``block_size`` for a
+            cached-free block).
+        block_reuses: per physical block, times it was handed to a request other than its previous owner.
+        cached_blocks: free blocks that still hold a findable prefix.
+        cache_hit_blocks: held blocks that their request got from the prefix cache.
+        num_used_blocks: blocks held by requests.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found so far (tokens).
+    """
+
+    block_tables: dict[str, tuple[int, ...]]
+    block_refcount: tuple[int, ...]
+    block_tokens: tuple[int, ...]
+    block_reuses: tuple[int, ...]
+    cached_blocks: frozenset[int]
+    cache_hit_blocks: frozenset[int]
+    num_used_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
 class KVCacheManager:
     """Per-request block tables over a :class:`BlockPool`: allocation on demand, freeing, and prefix
     caching.
@@ -161,6 +190,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests."""
+        return self.pool.num_used_blocks
 
     @property
     def usage(self) -> float:
@@ -290,3 +324,31 @@ class KVCacheManager:
     def forget(self, request: Request) -> None:
         """Drop the request's per-request caches (hash list); call when it is finished."""
         self.block_hashes.pop(request.request_id, None)
+
+    def snapshot(self, requests: Iterable[Request]) -> KVCacheSnapshot:
+        """A :class:`KVCacheSnapshot` of the pool, with the block tables of ``requests`` (the running
+        ones). ``request.num_hit_blocks`` leading blocks of each count as prefix-cache hits."""
+        bs = self.block_size
+        pool = self.pool
+        tables: dict[str, tuple[int, ...]] = {}
+        tokens = [0] * pool.num_blocks
+        hit_blocks: set[int] = set()
+        for r in requests:
+            tables[r.request_id] = tuple(r.block_ids)
+            hit_blocks.update(r.block_ids[: r.num_hit_blocks])
+            for j, b in enumerate(r.block_ids):
+                tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
+        cached = pool.cached_free_blocks()
+        for b in cached:
+            tokens[b] = bs
+        return KVCacheSnapshot(
+            block_tables=tables,
+            block_refcount=tuple(pool.ref_cnt),
+            block_tokens=tuple(tokens),
+            block_reuses=tuple(pool.reuses),
+            cached_blocks=frozenset(cached),
+            cache_hit_blocks=frozenset(hit_blocks),
+            num_used_blocks=pool.num_used_blocks,
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+        )

@@ -190,7 +190,7 @@ class ModelRunner:
             value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], blocks_to_copy: list[tuple[int, int]] = ()
+    def execute_model(self, scheduled: list[tuple[Request, int]], blocks_to_copy: list[tuple[int, int]] = ()
                 ) -> tuple[torch.Tensor | None, list[Request]]:
         """Make the step's copy-on-write block copies, then one forward pass over every scheduled token.
 

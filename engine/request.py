@@ -125,7 +125,8 @@ class Request:
         output_token_ids: generated tokens so far (list[int]).
         num_computed_tokens: tokens of ``prompt + output`` whose K/V are in the cache (tokens).
         block_ids: the block table: physical block ids holding this request's K/V, in order.
-        slot: batch slot (row of the occupancy panel) while running, else None.
+        batch_slot: batch slot (row of the batch, and of the occupancy panel) while running, else None.
+            Not to be confused with a KV-cache slot (``slot_mapping``: a token position in the paged cache).
         eos_token_ids: token ids that finish the request unless ``ignore_eos``.
         max_tokens: effective generation limit (tokens), after clamping to the context length.
     """
@@ -149,7 +150,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
-        self.slot: int | None = None
+        self.batch_slot: int | None = None
         self.num_preemptions = 0
         self.error: str | None = None
         self.stop_reason: str | int | None = None
@@ -192,6 +193,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first generated token (seconds), None before it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: ``(finish - first token) / (tokens - 1)`` (seconds);
+        None until the request finished with at least two tokens."""
+        n = len(self.output_token_ids)
+        if self.first_token_time is None or self.finish_time is None or n < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (n - 1)
 
     def __repr__(self) -> str:
         return (

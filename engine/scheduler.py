@@ -9,6 +9,13 @@ One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
 2. then waiting requests, first come first served, while a batch slot, budget and blocks remain.
    Prompts longer than the budget are split into chunks (chunked prefill).
 
+Latency policy (chunked prefill that never freezes a stream): every running request that decodes
+gets its token first (the budget is reserved for them before any prompt chunk is sized), and while
+at least one request decodes, all prompt chunks of the step together take at most
+``prefill_chunk_tokens`` tokens. A long prompt is then prefilled over several steps, each of them
+also computing every decode token; with nothing decoding, prompts use the whole
+``max_num_batched_tokens`` budget.
+
 ``static`` admits a batch only when nothing is running, reserves ``prompt + max_tokens`` blocks per
 request up front (as pre-paging servers did), and keeps a finished request's slot empty until the whole
 batch is done.
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, BatchSlotSnapshot
 
 
 @dataclass
@@ -65,9 +73,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.slots: list[Request | None] = [None] * config.max_num_seqs
+        self.batch_slots: list[Request | None] = [None] * config.max_num_seqs
         self.num_preemptions = 0
-        self.finished_in_step: list[Request] = []
+        self._finished: list[Request] = []  # ended since the last take_finished()
 
     # ------------------------------------------------------------------ admission
     def check_request(self, request: Request) -> None:
@@ -85,9 +93,9 @@ class Scheduler:
                 f"the prompt has {n} tokens, but the context length is {self.max_model_len} tokens "
                 f"(prompt + at least one new token must fit)"
             )
-        if 1 + len(request.pending_forks) > len(self.slots):
+        if 1 + len(request.pending_forks) > len(self.batch_slots):
             raise ValueError(f"n={1 + len(request.pending_forks)} parallel samples need more than the "
-                             f"{len(self.slots)} batch slots")
+                             f"{len(self.batch_slots)} batch slots")
         need = n + (request.max_tokens if self.static else 1)
         if self.kv.blocks_needed(need) > self.kv.num_blocks:
             raise ValueError(
@@ -104,8 +112,13 @@ class Scheduler:
             self.requests[sib.request_id] = sib
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_finished(self) -> list[Request]:
+        """Requests that ended (stopped, length, aborted, failed) since the last call, in order."""
+        out, self._finished = self._finished, []
+        return out
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -114,14 +127,25 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        # decode tokens are reserved first, so that no prompt chunk can take them (latency policy)
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        prefill_budget = self.config.prefill_chunk_tokens if decodes_left else budget
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # finished row held by the static policy
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining <= 0:  # finished row held by the static policy
                 i += 1
                 continue
+            if remaining == 1:
+                decodes_left -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - max(0, decodes_left), prefill_budget)
+                if num_new <= 0:
+                    i += 1
+                    continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -132,10 +156,12 @@ class Scheduler:
                 break
             scheduled.append((req, num_new))
             budget -= num_new
+            if remaining > 1:
+                prefill_budget -= num_new
             i += 1
 
         if not preempted and (not self.static or not self.running):
-            self._admit(scheduled, out, budget)
+            self._admit(scheduled, out, min(budget, prefill_budget))
 
         # decode rows first: the attention path handles a contiguous run of single-token rows at once
         scheduled.sort(key=lambda rn: rn[1] > 1)
@@ -150,7 +176,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             req.pending_forks = [s for s in req.pending_forks if not s.is_finished]  # aborted siblings
-            free_slots = [i for i, r in enumerate(self.slots) if r is None]
+            free_slots = [i for i, r in enumerate(self.batch_slots) if r is None]
             if len(free_slots) < 1 + len(req.pending_forks):  # parallel samples need a slot each
                 break
             slot = free_slots[0]
@@ -166,11 +192,11 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             req.num_hit_blocks = len(hits)
             req.status = RequestStatus.RUNNING
-            req.slot = slot
-            self.slots[slot] = req
+            req.batch_slot = slot
+            self.batch_slots[slot] = req
             for sib, sib_slot in zip(req.pending_forks, free_slots[1:]):
-                sib.slot = sib_slot
-                self.slots[sib_slot] = sib
+                sib.batch_slot = sib_slot
+                self.batch_slots[sib_slot] = sib
             if req.scheduled_time is None:
                 req.scheduled_time = now
             self.running.append(req)
@@ -193,13 +219,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release_slot(self, req: Request) -> None:
-        if req.slot is not None and self.slots[req.slot] is req:
-            self.slots[req.slot] = None
-        req.slot = None
+        if req.batch_slot is not None and self.batch_slots[req.batch_slot] is req:
+            self.batch_slots[req.batch_slot] = None
+        req.batch_slot = None
 
     # ------------------------------------------------------------------ results
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance ``num_computed_tokens``, record full blocks in the prefix
+        cache, fork parallel samples, append the sampled tokens and finish requests that reached a
+        token-level stop (EOS, a stop token id, ``max_tokens`` or the context length). Stop *strings*
+        are the output processor's (they need text): it calls :meth:`finish` for them.
 
         Args:
             out: the step's :class:`SchedulerOutput`.
@@ -207,11 +236,10 @@ class Scheduler:
                 their end this step (a partial prefill chunk samples nothing).
 
         Returns:
-            Requests that got a new token or finished this step, in scheduled order; newly finished
-            ones have their blocks freed and appear in ``finished_in_step``.
+            Requests that got a new token this step, in scheduled order; those that finished have their
+            blocks freed already and are also returned by :meth:`take_finished`.
         """
         changed: list[Request] = []
-        self.finished_in_step = []
         now = time.monotonic()
         for req, n in out.scheduled:
             if req.is_finished:  # aborted or failed during the step
@@ -230,22 +258,14 @@ class Scheduler:
                 sib.scheduled_time = req.scheduled_time
                 self.running.append(sib)
             for r, t in [(req, tok)] + [(s, sampled[s.request_id]) for s in siblings]:
-                self._append_token(r, t, now)
+                r.output_token_ids.append(t)
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                status = self._check_stop(r, t)
+                if status is not None:
+                    self.finish(r, status)
                 changed.append(r)
         return changed
-
-    def _append_token(self, req: Request, tok: int, now: float) -> None:
-        req.output_token_ids.append(tok)
-        if req.detokenizer is not None:
-            delta, stop_str = req.detokenizer.update(tok)
-            req.pending_text += delta
-            if stop_str is not None:
-                req.stop_reason = stop_str
-        if req.first_token_time is None:
-            req.first_token_time = now
-        status = self._check_stop(req, tok)
-        if status is not None:
-            self.finish(req, status)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -255,8 +275,6 @@ class Scheduler:
         if tok in sp.stop_token_ids:
             req.stop_reason = tok
             return RequestStatus.FINISHED_STOPPED
-        if isinstance(req.stop_reason, str):
-            return RequestStatus.FINISHED_STOPPED  # a stop string matched (set by the detokenizer)
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -266,9 +284,6 @@ class Scheduler:
         static policy its slot stays held (empty row) until the whole batch is done."""
         if req.is_finished:
             return
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and req.detokenizer is not None:
-            if not isinstance(req.stop_reason, str):
-                req.pending_text += req.detokenizer.flush()
         req.status = status
         req.error = error
         req.finish_time = time.monotonic()
@@ -282,14 +297,14 @@ class Scheduler:
         self.kv.free(req)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
-        self.finished_in_step.append(req)
+        self._finished.append(req)
         for sib in req.pending_forks:  # ended before its prompt was computed: the siblings end too
             self.finish(sib, status, error)
         req.pending_forks = []
         if not self.static:
             self._release_slot(req)
         elif not self.running:
-            self.slots = [None] * len(self.slots)  # the static batch is over: every slot opens
+            self.batch_slots = [None] * len(self.batch_slots)  # the static batch is over: every slot opens
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a waiting or running request; its blocks go back at once. Unknown ids are ignored."""
@@ -298,3 +313,23 @@ class Scheduler:
             return None
         self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
+
+    # ------------------------------------------------------------------ telemetry
+    def batch_slot_snapshot(self, out: SchedulerOutput) -> tuple[BatchSlotSnapshot, ...]:
+        """Plain-data view of the batch slots for a step just scheduled (call before
+        :meth:`update_from_output`, which releases finished requests' slots)."""
+        n_sched = {r.request_id: n for r, n in out.scheduled}
+        snaps = []
+        for i, r in enumerate(self.batch_slots):
+            if r is None:
+                snaps.append(BatchSlotSnapshot(i, None, PHASE_IDLE))
+                continue
+            n = n_sched.get(r.request_id, 0)
+            if n == 0:
+                phase = PHASE_IDLE
+            elif n > 1 or r.num_computed_tokens < r.num_prompt_tokens:
+                phase = PHASE_PREFILL
+            else:
+                phase = PHASE_DECODE
+            snaps.append(BatchSlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens + n, r.num_prompt_tokens))
+        return tuple(snaps)

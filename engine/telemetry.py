@@ -18,23 +18,29 @@ PHASE_DECODE = "decode"
 
 
 @dataclass(frozen=True)
-class SlotSnapshot:
+class BatchSlotSnapshot:
     """One batch slot (row of the batch) in one step.
 
+    A *batch slot* is one of the ``max_num_seqs`` rows of the batch; it is not a KV-cache slot (a token
+    position in the paged cache, as in ``slot_mapping``).
+
     Attributes:
-        slot: slot index in ``[0, max_num_seqs)``.
+        batch_slot: slot index in ``[0, max_num_seqs)``.
         request_id: the request holding the slot, or None when the slot is empty.
         phase: ``"prefill"`` (computing prompt tokens), ``"decode"`` (one new token), or ``"idle"``
             (empty, or held but not computed this step, e.g. a finished row under the static policy).
         num_scheduled_tokens: tokens computed for this request in this step (tokens).
         num_computed_tokens: tokens in the KV cache for this request after the step (tokens).
+        num_prompt_tokens: the request's prompt length (tokens): while ``num_computed_tokens`` is
+            below it, the request is prefilling ("n of m prompt tokens").
     """
 
-    slot: int
+    batch_slot: int
     request_id: str | None
     phase: str
     num_scheduled_tokens: int = 0
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class StepSnapshot:
         step: engine step number (starts at 1).
         time: ``time.monotonic()`` at the end of the step (seconds).
         duration: wall time of the step (seconds); ``forward_time`` of it went to the model forward.
-        slots: one :class:`SlotSnapshot` per batch slot, length ``max_num_seqs``.
+        batch_slots: one :class:`BatchSlotSnapshot` per batch slot, length ``max_num_seqs``.
         block_tables: request id -> physical block ids it holds, for every running request.
         block_refcount: per physical block, the number of block tables holding it (length num_blocks).
         block_tokens: per physical block, tokens filled in it (0..block_size).
@@ -61,13 +67,14 @@ class StepSnapshot:
         prefix_cache_queries: prompt tokens looked up in the prefix cache so far (tokens).
         prefix_cache_hits: of those, tokens found cached and not recomputed (tokens).
         cache_hit_blocks: ids of held blocks that a request got from the prefix cache.
+        waiting: ids of the waiting requests, in queue order (the first is admitted next).
     """
 
     step: int
     time: float
     duration: float
     forward_time: float
-    slots: tuple[SlotSnapshot, ...]
+    batch_slots: tuple[BatchSlotSnapshot, ...]
     block_tables: dict[str, tuple[int, ...]]
     block_refcount: tuple[int, ...]
     block_tokens: tuple[int, ...]
@@ -83,6 +90,7 @@ class StepSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     cache_hit_blocks: frozenset[int] = frozenset()
+    waiting: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -161,7 +169,7 @@ class Telemetry:
             self.total_steps += 1
             self.total_generated_tokens += snap.num_generated_tokens
             self.total_idle_slot_steps += sum(
-                1 for s in snap.slots if s.request_id is not None and s.phase == PHASE_IDLE
+                1 for s in snap.batch_slots if s.request_id is not None and s.phase == PHASE_IDLE
             )
 
     def record_finished(self, stats: FinishedRequestStats) -> None:

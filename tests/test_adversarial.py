@@ -137,12 +137,12 @@ def test_aborting_a_sibling_before_admission_leaks_no_slot(tiny_model, tokenizer
     """Aborting one sequence of an n>1 request (id ``A#1``) before the request is admitted finishes it,
     but it stays in ``A#0.pending_forks``; ``Scheduler._admit`` then gives that finished sequence a batch
     slot, and since a finished sibling never forks, nothing ever releases it: the slot is lost for good
-    (``scheduler.slots`` holds a FINISHED_ABORTED request after everything is done)."""
+    (``scheduler.batch_slots`` holds a FINISHED_ABORTED request after everything is done)."""
     eng = core(tiny_model, tokenizer, max_num_seqs=4)
     eng.add_request("A", "hello world", SamplingParams(temperature=0, max_tokens=3, n=2, ignore_eos=True))
     eng.abort_request("A#1")
     run_to_end(eng)
-    assert all(s is None for s in eng.scheduler.slots), eng.scheduler.slots
+    assert all(s is None for s in eng.scheduler.batch_slots), eng.scheduler.batch_slots
     assert eng.kv.pool.num_used_blocks == 0
 
 

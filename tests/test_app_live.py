@@ -51,7 +51,7 @@ def live_app():
 
 
 def _chat_ids_running(snap) -> set[str]:
-    return {s.request_id for s in snap.slots if s.request_id and s.request_id.startswith("chat-")
+    return {s.request_id for s in snap.batch_slots if s.request_id and s.request_id.startswith("chat-")
             and s.phase in ("prefill", "decode")}
 
 
@@ -114,7 +114,7 @@ def _assert_freed_within_a_few_steps(live_app, rid, step_at_stop):
 
     def freed():
         snap = tel.latest()
-        return snap if rid not in snap.block_tables and all(s.request_id != rid for s in snap.slots) else None
+        return snap if rid not in snap.block_tables and all(s.request_id != rid for s in snap.batch_slots) else None
 
     snap = _wait(freed, timeout=30)
     assert snap is not None, f"{rid} still holds blocks 30 s after it was stopped"

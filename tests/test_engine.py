@@ -116,14 +116,14 @@ def test_telemetry_records_slots_blocks_and_phases(tiny_model, tokenizer):
     run_to_end(eng)
     snaps = eng.telemetry.snapshots()
     first = snaps[0]
-    assert [(s.slot, s.request_id, s.phase, s.num_scheduled_tokens) for s in first.slots] == [
+    assert [(s.batch_slot, s.request_id, s.phase, s.num_scheduled_tokens) for s in first.batch_slots] == [
         (0, "a", "prefill", 9), (1, "b", "prefill", 5)]
     assert set(first.block_tables) == {"a", "b"} and len(first.block_tables["a"]) == 3
     assert first.admitted == ("a", "b")
-    assert snaps[1].slots[0].phase == "decode"
+    assert snaps[1].batch_slots[0].phase == "decode"
     assert snaps[1].finished == ("b",)
     # c takes b's slot in the next step, and (the pool being full) the blocks b freed
-    assert snaps[2].slots[1].request_id == "c" and snaps[2].admitted == ("c",)
+    assert snaps[2].batch_slots[1].request_id == "c" and snaps[2].admitted == ("c",)
     assert sorted(snaps[2].block_tables["c"]) == sorted(snaps[0].block_tables["b"])
     assert all(snaps[2].block_reuses[b] == 1 for b in snaps[2].block_tables["c"])
     stats = eng.telemetry.stats()
@@ -212,7 +212,7 @@ def test_async_engine_streams_concurrently_and_aborts_on_break(tiny_model, token
             asyncio.run(asyncio.sleep(0.02))
         assert eng.core.kv.pool.num_used_blocks == 0
         steps = eng.telemetry.snapshots()
-        assert any(sum(1 for s in snap.slots if s.request_id) >= 3 for snap in steps)
+        assert any(sum(1 for s in snap.batch_slots if s.request_id) >= 3 for snap in steps)
     finally:
         eng.shutdown()
 

@@ -24,14 +24,14 @@ def step(s):
     """One engine step with a fake model that always samples token 0. ``out.slots`` records each
     scheduled request's slot during the step."""
     out = s.schedule()
-    out.slots = {r.request_id: r.slot for r, _ in out.scheduled}
+    out.slots = {r.request_id: r.batch_slot for r, _ in out.scheduled}
     sampled = {r.request_id: 0 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    s.update(out, sampled)
+    s.update_from_output(out, sampled)
     return out
 
 
 def slot_names(s):
-    return [r.request_id if r is not None else None for r in s.slots]
+    return [r.request_id if r is not None else None for r in s.batch_slots]
 
 
 def run_abcde(policy):
@@ -40,7 +40,7 @@ def run_abcde(policy):
     for rid, mt in zip("ABCDE", [2, 5, 3, 4, 4]):
         add(s, rid, 4, mt)
     history = []
-    while s.has_unfinished():
+    while s.has_unfinished_requests():
         out = step(s)
         history.append((out.slots, [r.request_id for r in out.admitted]))
     return history
@@ -113,9 +113,9 @@ def test_preemption_evicts_most_recent_and_requeues_it_first():
     out = step(s)  # A needs a 3rd block: B (admitted last) is preempted
     assert [r.request_id for r in out.preempted] == ["B"]
     assert b.status == RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
-    assert s.waiting[0] is b and b.slot is None and b.num_preemptions == 1
+    assert s.waiting[0] is b and b.batch_slot is None and b.num_preemptions == 1
     assert a.block_ids == [0, 1, 3]
-    while s.has_unfinished():
+    while s.has_unfinished_requests():
         step(s)
     assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
     assert s.kv.pool.num_free_blocks == 4
@@ -125,7 +125,7 @@ def test_request_preempts_itself_when_alone_never_happens():
     s = make(num_blocks=2, block_size=4, max_len=8)
     a = add(s, "A", 3, 100)  # clamped to the context length
     assert a.max_tokens == 5
-    while s.has_unfinished():
+    while s.has_unfinished_requests():
         step(s)
     assert a.status == RequestStatus.FINISHED_LENGTH and len(a.output_token_ids) == 5
 
@@ -154,3 +154,27 @@ def test_abort_frees_blocks_and_slot_at_once():
     add(s, "C", 4, 2)
     step(s)
     assert slot_names(s) == ["C", "B", None]
+
+
+def test_long_prompt_is_chunked_around_running_decodes():
+    """Latency policy: while requests decode, every step computes each decode token and at most
+    ``prefill_chunk_tokens`` prompt tokens; once nothing decodes, a prompt uses the whole budget."""
+    cfg = EngineConfig(max_num_seqs=4, num_blocks=256, block_size=4, max_num_batched_tokens=100,
+                       prefill_chunk_tokens=16, enable_prefix_caching=False)
+    s = Scheduler(cfg, KVCacheManager(256, 4, False), 1024)
+    add(s, "A", 4, 30)
+    add(s, "B", 4, 30)
+    step(s)  # both prompts, nothing decodes yet
+    add(s, "L", 200, 2, start=100)
+    chunks = []
+    while not s.requests["L"].output_token_ids:
+        out = step(s)
+        sched = {r.request_id: n for r, n in out.scheduled}
+        assert sched["A"] == 1 and sched["B"] == 1, sched  # the streams never stall
+        chunks.append(sched.get("L", 0))
+    assert chunks == [16] * 12 + [8]  # 200 prompt tokens in chunks of at most 16
+    # nothing decoding: a new prompt takes the whole budget at once
+    s2 = Scheduler(cfg, KVCacheManager(256, 4, False), 1024)
+    add(s2, "P", 90, 1)
+    assert [(r.request_id, n) for r, n in step(s2).scheduled] == [("P", 90)]
+

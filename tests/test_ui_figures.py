@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, SlotSnapshot, StepSnapshot, Telemetry
+from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, BatchSlotSnapshot, StepSnapshot, Telemetry
 from ui import figures as F
 
 NUM_BLOCKS = 8
@@ -21,7 +21,7 @@ def snap(step, slots, tables, *, reuses=None, cached=(), admitted=(), finished=(
             ref[b] += 1
     return StepSnapshot(
         step=step, time=float(step), duration=0.1, forward_time=0.08,
-        slots=tuple(SlotSnapshot(i, None, PHASE_IDLE) if s is None else SlotSnapshot(i, *s) for i, s in enumerate(slots)),
+        batch_slots=tuple(BatchSlotSnapshot(i, None, PHASE_IDLE) if s is None else BatchSlotSnapshot(i, *s) for i, s in enumerate(slots)),
         block_tables={k: tuple(v) for k, v in tables.items()}, block_refcount=tuple(ref),
         block_tokens=tuple(tokens or [0] * NUM_BLOCKS), block_reuses=tuple(reuses or [0] * NUM_BLOCKS),
         cached_blocks=frozenset(cached), num_running=len(tables), num_waiting=waiting,

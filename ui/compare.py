@@ -130,7 +130,7 @@ def run_policy(model, tokenizer, preset: ComparePreset, policy: str, num_blocks:
                 texts[out.request_id] = out.text
     wall = time.perf_counter() - t0
     snaps = core.telemetry.snapshots()
-    history = [{s.request_id: s.slot for s in snap.slots if s.request_id is not None and s.phase != PHASE_IDLE}
+    history = [{s.request_id: s.batch_slot for s in snap.batch_slots if s.request_id is not None and s.phase != PHASE_IDLE}
                for snap in snaps]
     return PolicyRun(
         policy=policy, snapshots=snaps, steps=core.step_count, idle_slot_steps=core.telemetry.total_idle_slot_steps,
@@ -168,9 +168,9 @@ def compare_figures(runs: dict[str, PolicyRun], labels: dict | None = None, heig
         fig.update_xaxes(range=[0.5, last + 0.5], dtick=1 if last <= 40 else None)
         if last <= 40:  # small grids: name each request in the cell where it took its slot
             for snap in run.snapshots:
-                for sl in snap.slots:
+                for sl in snap.batch_slots:
                     if sl.request_id in snap.admitted:
-                        fig.add_annotation(x=snap.step, y=sl.slot, text=f"<b>{sl.request_id}</b>", showarrow=False,
+                        fig.add_annotation(x=snap.step, y=sl.batch_slot, text=f"<b>{sl.request_id}</b>", showarrow=False,
                                            xshift=14, font={"size": 12, "color": "black"})
         out.append(fig)
     return tuple(out)

@@ -70,7 +70,7 @@ def request_order(snapshots: Sequence[StepSnapshot]) -> list[str]:
     """Request ids in order of first appearance (slots, then block tables), oldest step first."""
     seen: dict[str, None] = {}
     for snap in snapshots:
-        for s in snap.slots:
+        for s in snap.batch_slots:
             if s.request_id is not None:
                 seen.setdefault(s.request_id)
         for rid in snap.block_tables:
@@ -131,22 +131,22 @@ def occupancy_figure(
     L = {**LABELS_EN, **(labels or {})}
     colors = dict(colors) if colors is not None else default_colors(snapshots)
     steps = [s.step for s in snapshots]
-    n_slots = max((len(s.slots) for s in snapshots), default=0)
+    n_slots = max((len(s.batch_slots) for s in snapshots), default=0)
     z = [[None] * len(steps) for _ in range(n_slots)]
     cd = [[("", "", 0, 0)] * len(steps) for _ in range(n_slots)]
     phase_name = {PHASE_PREFILL: L["prefill"], PHASE_DECODE: L["decode"], PHASE_IDLE: L["idle"]}
     adm_x, adm_y, adm_text = [], [], []
     for i, snap in enumerate(snapshots):
         admitted = set(snap.admitted)
-        for s in snap.slots:
+        for s in snap.batch_slots:
             if s.request_id is None:
                 continue
-            z[s.slot][i] = phase_code(colors.get(s.request_id, 0), s.phase)
-            cd[s.slot][i] = (s.request_id, phase_name.get(s.phase, s.phase), s.num_scheduled_tokens,
+            z[s.batch_slot][i] = phase_code(colors.get(s.request_id, 0), s.phase)
+            cd[s.batch_slot][i] = (s.request_id, phase_name.get(s.phase, s.phase), s.num_scheduled_tokens,
                              s.num_computed_tokens)
             if s.request_id in admitted:
                 adm_x.append(snap.step)
-                adm_y.append(s.slot)
+                adm_y.append(s.batch_slot)
                 adm_text.append(f"{L['admitted']}: {s.request_id}")
     hover = (f"{L['request']}: <b>%{{customdata[0]}}</b> (%{{customdata[1]}})<br>{L['step']}: %{{x}} · "
              f"{L['slot']}: %{{y}}<br>{L['tokens_step']}: %{{customdata[2]}}<br>"

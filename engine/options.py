@@ -1,0 +1,131 @@
+"""One declaration of every command-line option: name, type, default, help and environment variable.
+
+``app.py``, ``python -m engine`` and the bench all build their parsers from these tables, so a flag
+means the same thing and has the same default everywhere (``tests/test_options.py`` checks it).
+The engine's options are :data:`ENGINE_OPTIONS` (fields of :class:`engine.config.EngineConfig`);
+other front ends declare their own tables of :class:`Option` (the server's live in ``server/``).
+
+Every option also reads ``CBP_<NAME>`` from the environment when a parser is built with
+``env=os.environ`` (the app does; the command line wins over the variable).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+
+from engine.config import POLICIES, EngineConfig
+
+ENV_PREFIX = "CBP_"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option.
+
+    Attributes:
+        name: Python name (``max_num_seqs``); the flag is ``--max-num-seqs``, the variable
+            ``CBP_MAX_NUM_SEQS``.
+        type: ``int``, ``float``, ``str`` or ``bool`` (a ``--name/--no-name`` switch).
+        default: value when neither the flag nor the variable is given (None = "the engine decides").
+        help: one line for ``--help``.
+        choices: allowed values, or None.
+    """
+
+    name: str
+    type: type
+    default: object
+    help: str
+    choices: tuple | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def from_env(self, env: Mapping[str, str]):
+        """The value of ``CBP_<NAME>`` in ``env`` cast to :attr:`type`, or None when unset or empty.
+
+        Raises:
+            ValueError: the variable's text is not a valid value.
+        """
+        raw = env.get(self.env_var)
+        if raw is None or raw.strip() == "":
+            return None
+        raw = raw.strip()
+        if self.type is bool:
+            return raw.lower() in _TRUE
+        value = self.type(raw)
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.env_var} must be one of {self.choices}, got {value!r}")
+        return value
+
+
+_CFG = {f.name: f.default for f in fields(EngineConfig)}
+
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    Option("model", str, None, "model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)"),
+    Option("dtype", str, None, "bfloat16, float16 or float32 (default: auto: bfloat16 on CUDA and on CPUs "
+                               "with native bf16, else float32)"),
+    Option("device", str, None, "cpu or cuda (default: auto)"),
+    Option("policy", str, _CFG["policy"], "continuous batching, or static batches for comparison",
+           choices=POLICIES),
+    Option("max_num_seqs", int, _CFG["max_num_seqs"], "batch slots: requests computed together"),
+    Option("max_num_batched_tokens", int, _CFG["max_num_batched_tokens"],
+           "token budget of one engine step (tokens); longer prompts are prefilled in chunks"),
+    Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
+           "while any request decodes, prompt tokens per step (all chunks together) are at most this"),
+    Option("block_size", int, _CFG["block_size"], "tokens per KV block"),
+    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory)"),
+    Option("kv_cache_memory", str, None, 'KV cache budget instead of --num-blocks: bytes, "256MiB", "2GiB", '
+                                         "or a fraction of free device memory such as 0.5 (default: 512MiB)"),
+    Option("enable_prefix_caching", bool, _CFG["enable_prefix_caching"],
+           "reuse the KV blocks of identical prompt prefixes"),
+)
+
+# The playground's own defaults: a small pool and few slots, so that the panels show slots being
+# handed over and blocks being recycled. Everything else is the engine's default.
+PLAYGROUND_DEFAULTS: dict[str, object] = {"max_num_seqs": 16, "num_blocks": 384}
+
+
+def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
+                env: Mapping[str, str] | None = None, defaults: Mapping[str, object] | None = None) -> None:
+    """Add ``options`` to ``parser``.
+
+    Args:
+        parser: the parser to extend.
+        options: the :class:`Option` declarations to add.
+        env: when given, each option defaults to its ``CBP_*`` variable there (then to its default).
+        defaults: per-name defaults that replace the declared ones (e.g. :data:`PLAYGROUND_DEFAULTS`).
+    """
+    defaults = defaults or {}
+    for opt in options:
+        default = defaults.get(opt.name, opt.default)
+        if env is not None:
+            from_env = opt.from_env(env)
+            if from_env is not None:
+                default = from_env
+        shown = "" if default is None else f" (default: {default})"
+        if opt.type is bool:
+            parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=opt.help + shown)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, type=opt.type, default=default, choices=opt.choices,
+                                help=opt.help + shown)
+
+
+def add_engine_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None,
+                       defaults: Mapping[str, object] | None = None) -> None:
+    """Add :data:`ENGINE_OPTIONS` to ``parser`` (see :func:`add_options`)."""
+    add_options(parser, ENGINE_OPTIONS, env=env, defaults=defaults)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """:class:`EngineConfig` keyword arguments from a namespace parsed with :func:`add_engine_options`
+    (None values are left to the engine's defaults by ``EngineConfig.from_kwargs``)."""
+    return {opt.name: getattr(args, opt.name) for opt in ENGINE_OPTIONS if hasattr(args, opt.name)}
