@@ -351,7 +351,7 @@ def test_kernels_compile_for_hopper(tops):
         pytest.skip("this triton wheel ships no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "kernels.compile_report", "--check"], cwd=root, env=env,
+    r = subprocess.run([sys.executable, "-m", "bench.compile_report", "--check"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("attention", "reduce", "reshape_and_cache"))]
