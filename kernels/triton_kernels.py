@@ -325,7 +325,6 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-_SM_COUNT: dict[int, int] = {}
 
 
 def _interpreted() -> bool:

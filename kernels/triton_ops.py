@@ -30,6 +30,7 @@ from kernels.triton_kernels import (  # noqa: F401  (re-exported: the bench comp
 
 MIN_SPLIT_TOKENS = 256  # a split-KV share is never shorter than this many keys
 MAX_SPLITS = 64
+_SM_COUNT: dict[int, int] = {}  # CUDA device index -> number of SMs
 
 
 def reshape_and_cache(
