@@ -42,7 +42,7 @@ class Sampler:
     Algorithms and their sources:
 
     * greedy: ``argmax`` over ``logits.float()`` (float32 argmax is about 5x faster than bfloat16 on the
-      project's CPU; see DESIGN.md). Ties go to the lowest token id (``torch.argmax``).
+      project's CPU; see docs/performance.md). Ties go to the lowest token id (``torch.argmax``).
     * repetition penalty: CTRL (Keskar et al. 2019, arXiv:1909.05858, section 4.1) as implemented by
       transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``apply_penalties``: for every
       distinct token of ``prompt_token_ids + output_token_ids``, a positive logit is divided by the
