@@ -105,6 +105,26 @@ class StepSnapshot:
         """Fraction of blocks held by running requests (0..1)."""
         return self.num_used_blocks / max(1, self.num_blocks)
 
+    def request_state(self, request_id: str) -> dict | None:
+        """Where a request stands after this step, for a chat that waits for its first token.
+
+        Returns:
+            ``{"state": "queued", "position": k}`` (k-th in the waiting queue, from 1),
+            ``{"state": "prefilling", "computed": n, "prompt": m}`` (n of its m prompt tokens in the
+            cache), ``{"state": "decoding"}``, ``{"state": "finished"}`` (it ended in this step), or
+            None when the request is not in this step (unknown, or ended earlier).
+        """
+        if request_id in self.finished:
+            return {"state": "finished"}
+        if request_id in self.waiting:
+            return {"state": "queued", "position": self.waiting.index(request_id) + 1}
+        for s in self.batch_slots:
+            if s.request_id == request_id:
+                if s.num_computed_tokens < s.num_prompt_tokens:
+                    return {"state": "prefilling", "computed": s.num_computed_tokens, "prompt": s.num_prompt_tokens}
+                return {"state": "decoding"}
+        return None
+
     def block_owners(self) -> list[list[str]]:
         """Per physical block, the ids of the requests whose block tables hold it."""
         owners: list[list[str]] = [[] for _ in range(self.num_blocks)]

@@ -128,6 +128,26 @@ def test_telemetry_records_slots_blocks_and_phases(tiny_model, tokenizer):
     assert all(snaps[2].block_reuses[b] == 1 for b in snaps[2].block_tables["c"])
     stats = eng.telemetry.stats()
     assert stats["generated_tokens"] == 7 and stats["ttft_p50"] is not None
+    # a request waiting for its first token can tell where it is
+    assert first.waiting == ("c",) and first.request_state("c") == {"state": "queued", "position": 1}
+    assert first.request_state("a") == {"state": "decoding"} and first.request_state("zz") is None
+
+
+def test_telemetry_shows_a_long_prompt_prefilling_n_of_m(tiny_model, tokenizer):
+    eng = core(tiny_model, tokenizer, max_num_batched_tokens=16, prefill_chunk_tokens=8)
+    eng.add_request("chat", list(range(20, 25)), SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.add_request("long", list(range(100, 140)), SamplingParams(max_tokens=1, ignore_eos=True))
+    states = []
+    for _ in range(5):
+        eng.step()
+        snap = eng.telemetry.latest()
+        states.append(snap.request_state("long"))
+        assert snap.request_state("chat") == {"state": "decoding"}
+    assert states[:4] == [{"state": "prefilling", "computed": n, "prompt": 40} for n in (8, 16, 24, 32)]
+    stats = eng.stats()
+    assert states[4] == {"state": "finished"}  # the 5th chunk completed the prompt; its one token ended it
+    assert stats.step_count == 6 and stats.num_running == 1 and stats.num_preemptions == 0
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
