@@ -10,9 +10,9 @@
 # Parts, each under its own `timeout`, about 7 minutes in all; a failing part does not stop the next:
 #   1. pytest -q tests/test_kernels.py              (compiled Triton on CUDA vs the torch path)  <= 150 s
 #   2. pytest -q tests/test_equivalence.py -k cuda  (the lead's file; skipped if absent)          <= 90 s
-#   3. python -m kernels.bench --engine             (kernel timings vs copy bandwidth and torch,
+#   3. python -m bench.kernels --engine             (kernel timings vs copy bandwidth and torch,
 #                                                    then engine tokens/s)                          <= 150 s
-#   4. python -m kernels.bench --sweep --quick      (tuning data, only with the time left)
+#   4. python -m bench.kernels --sweep --quick      (tuning data, only with the time left)
 # Files written to $OUT (at most 8 come back): env.log, test_kernels.log, test_equivalence.log,
 # bench.log, bench.json, sweep.log, summary.txt.
 #
@@ -99,7 +99,7 @@ fi
 # --- 3. kernel bench, then the engine's tokens/s -------------------------------------------------------------
 T3=$(left); [ "$T3" -gt 150 ] && T3=150
 if [ "$T3" -gt 30 ]; then
-  timeout -k 10 "$T3" "$PY" -m kernels.bench --engine ${CBP_BENCH_MODEL:+--model "$CBP_BENCH_MODEL"} \
+  timeout -k 10 "$T3" "$PY" -m bench.kernels --engine ${CBP_BENCH_MODEL:+--model "$CBP_BENCH_MODEL"} \
     --iters 30 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   rc=$?
   summary "bench --engine: rc=$rc  t=$((SECONDS - START))s"
@@ -119,7 +119,7 @@ fi
 # --- 4. tuning sweep with whatever time is left ------------------------------------------------------------
 T4=$(( $(left) - 15 ))
 if [ "$T4" -gt 45 ]; then
-  timeout -k 5 "$T4" "$PY" -m kernels.bench --sweep --quick --iters 15 --models 32h-8kv-d128 2>&1 | tee "$OUT/sweep.log"
+  timeout -k 5 "$T4" "$PY" -m bench.kernels --sweep --quick --iters 15 --models 32h-8kv-d128 2>&1 | tee "$OUT/sweep.log"
   rc=$?
   summary "sweep: rc=$rc (124 = stopped at its time limit, expected)  t=$((SECONDS - START))s"
 else

@@ -1,5 +1,8 @@
 """Synthetic chats for talks: add N chats with built-in prompts of varied length at a chosen rate.
 
+The prompts and lengths come from :func:`engine.prompts.synthetic_chat` (one line to a long preamble,
+16..256 new tokens each).
+
 The chats run as asyncio tasks on the server's event loop (the same loop the Gradio handlers run on), each
 one an ordinary ``engine.generate`` stream, so they show up in the panels exactly like browser chats
 (their request ids start with ``load-``).
@@ -14,40 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.prompts import synthetic_chat
 from engine.request import SamplingParams
 
-TOPICS = [
-    "the ocean", "volcanoes", "honey bees", "the Roman Empire", "black holes", "coffee", "chess", "the moon",
-    "rainforests", "bicycles", "jazz", "origami", "glaciers", "the printing press", "octopuses", "tea",
-    "kimchi", "Hangul, the Korean alphabet", "lighthouses", "trains", "photosynthesis", "the internet",
-    "penguins", "paper money",
-]
-PHRASINGS = [
-    "Tell me about {topic}.",
-    "Write a short poem about {topic}.",
-    "Explain {topic} to a ten-year-old in a few sentences.",
-    "Give me three surprising facts about {topic}.",
-    "What is one common misconception about {topic}? Answer in one sentence.",
-    "Write a long, detailed essay about {topic}, with an introduction, three sections and a conclusion.",
-]
-LONG_CONTEXT = (
-    "Continuous batching lets an inference server add a new request to the running batch as soon as "
-    "another one finishes, instead of waiting for the whole batch. Paged attention stores the key and value "
-    "vectors of every request in fixed-size blocks, like pages of virtual memory, so memory is handed out a "
-    "block at a time and returned as soon as a request ends. Together they keep the accelerator busy and "
-    "let many more requests share the same memory. "
-)
-
-
-def synthetic_chat(rng: random.Random) -> tuple[list[dict[str, str]], int]:
-    """One synthetic chat: its messages and its ``max_tokens`` (16..256), drawn from ``rng``.
-
-    About one in five carries a long preamble (a long prompt, so a long prefill).
-    """
-    prompt = rng.choice(PHRASINGS).format(topic=rng.choice(TOPICS))
-    if rng.random() < 0.2:
-        prompt = LONG_CONTEXT * rng.randint(1, 4) + "\n\nNow, unrelated: " + prompt
-    return [{"role": "user", "content": prompt}], rng.randint(16, 256)
+__all__ = ["LoadGenerator", "LoadStats", "synthetic_chat"]
 
 
 @dataclass

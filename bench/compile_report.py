@@ -6,7 +6,7 @@ memory, which matrix instructions the PTX uses (``wgmma`` = Hopper warpgroup MMA
 older tensor-core path, neither = FMA units) and whether loads are pipelined through ``cp.async``.
 The test suite uses :func:`compile_all` to check that every kernel builds for sm_90 on CPU-only CI.
 
-Run: ``python -m kernels.compile_report [--quick | --check]`` with ``TRITON_INTERPRET`` unset (in
+Run: ``python -m bench.compile_report [--quick | --check]`` with ``TRITON_INTERPRET`` unset (in
 interpreter mode triton's own ``@jit`` helpers, such as ``tl.cdiv``, are interpreter objects that the
 compiler cannot use).
 """
@@ -53,7 +53,8 @@ def _compile(fn, ptr_types: dict, float_args: set, consts: dict, num_warps: int,
         else:
             sig[a] = "i32"
     # what a real launch sees: 16-byte-aligned pointers and strides divisible by 16 (head_dim 64/128)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptr_types or a.startswith("stride_")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a in ptr_types or a.startswith("stride_")}
     return triton.compile(
         ASTSource(fn, sig, consts, attrs),
         target=GPUTarget("cuda", arch, 32),
@@ -134,8 +135,6 @@ def resources(kernel) -> dict:
 def compile_all(arch: int = 90) -> list[tuple[str, dict]]:
     """Build a representative set of every kernel (default configurations, with and without split-KV)
     for ``sm_<arch>``; returns ``(name, resources)`` pairs. Raises if any fails to compile."""
-    import triton
-
     from kernels import triton_ops
 
     out = []
@@ -155,10 +154,8 @@ def compile_all(arch: int = 90) -> list[tuple[str, dict]]:
 
 
 def main() -> None:
-
-    import triton
-
     from kernels import triton_ops
+
     ap = argparse.ArgumentParser(description="Compile the Triton kernels for sm_90 without a GPU; print resources.")
     ap.add_argument("--quick", action="store_true", help="only the default configurations")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90 = Hopper)")

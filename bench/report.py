@@ -1,7 +1,7 @@
-"""The benchmark's HTML report: Plotly figures built from the JSON-ready dict of ``python -m engine.bench``.
+"""The benchmark's HTML report: Plotly figures built from the JSON-ready dict of ``python -m bench``.
 
-Kept out of ``engine/`` so the engine never imports plotly; ``engine.bench`` imports this module only when
-``--html`` is given. ``python -m ui.report results.json report.html`` rebuilds a report from a saved JSON.
+Only the bench imports plotly for it: :mod:`bench.cli` imports this module only when ``--html`` is given.
+``python -m bench.report results.json report.html`` rebuilds a report from a saved JSON.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def build_report(report: Mapping) -> str:
                      f"<table><tr><th>part</th><th>ms</th></tr>{rows}</table>")
     body = []
     first = True
-    for key, fig in figs:
+    for _key, fig in figs:
         body.append(fig.to_html(full_html=False, include_plotlyjs="inline" if first else False))
         first = False
     env_line = ", ".join(f"{k}={v}" for k, v in env.items())
@@ -181,6 +181,6 @@ def write_report(report: Mapping, path: str) -> None:
         f.write(build_report(report))
 
 
-if __name__ == "__main__":  # python -m ui.report results.json report.html
+if __name__ == "__main__":  # python -m bench.report results.json report.html
     with open(sys.argv[1]) as f:
         write_report(json.load(f), sys.argv[2])

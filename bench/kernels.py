@@ -1,4 +1,4 @@
-"""Benchmark the paged-attention kernels on a GPU: ``python -m kernels.bench [--engine] [--sweep]``.
+"""Benchmark the paged-attention kernels on a GPU: ``python -m bench.kernels [--engine] [--sweep]``.
 
 What it measures (NVIDIA GPU only; on a machine without CUDA it says so and exits 0):
 
@@ -13,14 +13,18 @@ What it measures (NVIDIA GPU only; on a machine without CUDA it says so and exit
   outputs (a sanity check, not the test);
 * ``reshape_and_cache`` for a decode step and a long prefill;
 * ``--sweep``: a few tile / warp / stage / split settings per case, to tune ``_default_config``;
-* ``--engine``: end-to-end generated tokens/s of ``engine.llm.LLM`` on 64 prompts (greedy, 128 new
-  tokens each, EOS ignored), with the Triton attention and then with the torch attention; a failure
-  there is printed and does not hide the kernel numbers.
+* ``--engine``: end-to-end generated tokens/s of ``engine.llm.LLM`` on 64 prompts (one-line plain-text
+  prompts from :func:`engine.prompts.plain_prompts`; greedy, 128 new tokens each, EOS ignored), with the
+  Triton attention and then with the torch attention; a failure there is printed and does not hide the
+  kernel numbers.
+
+(Inside this module ``kernels`` is the project's kernel package, not this file: imports are absolute.)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -30,6 +34,7 @@ import traceback
 import torch
 
 import kernels
+from engine.prompts import plain_prompts
 from kernels import torch_ops
 
 MODELS = {
@@ -43,11 +48,6 @@ PREFILL_CASES = [
     ("prefill 4x2048", [(2048, 2048)] * 4),
     ("chunk 2048@6144", [(8192, 2048)]),
     ("mixed 64x1024+512", [(1024, 1)] * 64 + [(1536, 512)]),
-]
-TOPICS = [
-    "volcanoes", "the moon", "honey bees", "the Roman empire", "black holes", "coffee", "glaciers", "jazz",
-    "photosynthesis", "the printing press", "octopuses", "rainbows", "the Silk Road", "chess", "tides",
-    "the human heart", "sourdough bread", "lighthouses", "the Sahara", "penguins",
 ]
 
 
@@ -145,18 +145,20 @@ def bench_attention(timer, copy_bw, models, decode_cases, prefill_cases, iters, 
                 args, kw, kv_bytes, flops = make_case(seqs, **m)
                 out = torch.empty_like(args[0])
                 cfg = _describe(triton_ops, args, kw)
-                t_tri = timer(lambda: triton_ops.paged_attention(*args, out=out, **kw), iters=iters)
+                t_tri = timer(functools.partial(triton_ops.paged_attention, *args, out=out, **kw), iters=iters)
                 ref = torch_ops.paged_attention(*args, **kw)
                 tri = triton_ops.paged_attention(*args, **kw)
                 diff = (tri.float() - ref.float()).abs().max().item()
-                t_ref = timer(lambda: torch_ops.paged_attention(*args, **kw), iters=max(5, iters // 5), warmup=2)
+                t_ref = timer(functools.partial(torch_ops.paged_attention, *args, **kw), iters=max(5, iters // 5),
+                              warmup=2)
                 bw = kv_bytes / t_tri
                 row = dict(model=mname, case=cname, splits=cfg["num_splits"], triton_s=t_tri, torch_s=t_ref,
                            kv_bytes=kv_bytes, gbps=bw / 1e9, frac_copy=bw / copy_bw, tflops=flops / t_tri / 1e12,
                            speedup=t_ref / t_tri, max_abs_diff=diff)
                 results.append(row)
-                print(f"{mname:14} {cname:24} {cfg['num_splits']:>6} {_fmt_t(t_tri)} {bw / 1e9:7.0f} {bw / copy_bw:7.2f} "
-                      f"{flops / t_tri / 1e12:7.1f} {_fmt_t(t_ref)} {t_ref / t_tri:8.1f} {diff:9.1e}", flush=True)
+                print(f"{mname:14} {cname:24} {cfg['num_splits']:>6} {_fmt_t(t_tri)} {bw / 1e9:7.0f} "
+                      f"{bw / copy_bw:7.2f} {flops / t_tri / 1e12:7.1f} {_fmt_t(t_ref)} {t_ref / t_tri:8.1f} "
+                      f"{diff:9.1e}", flush=True)
                 if sweep:
                     _sweep(timer, triton_ops, args, kw, kv_bytes, copy_bw, iters, t_tri)
                 del args, out, ref, tri
@@ -190,7 +192,8 @@ def _sweep(timer, triton_ops, args, kw, kv_bytes, copy_bw, iters, t_default):
     best = (t_default, "default")
     for v in variants:
         try:
-            t = timer(lambda: triton_ops.paged_attention(*args, **kw, **v), iters=max(10, iters // 3), warmup=2)
+            t = timer(functools.partial(triton_ops.paged_attention, *args, **kw, **v), iters=max(10, iters // 3),
+                      warmup=2)
         except Exception as e:
             print(f"    sweep {v}: {type(e).__name__}: {str(e)[:100]}")
             continue
@@ -213,12 +216,14 @@ def bench_cache_write(timer, copy_bw, iters, results):
             k = torch.randn(n, kvh, d, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             slots = torch.randperm(num_blocks * bs, device="cuda")[:n]
-            t_tri = timer(lambda: triton_ops.reshape_and_cache(k, v, kc, vc, slots), iters=iters)
-            t_ref = timer(lambda: torch_ops.reshape_and_cache(k, v, kc, vc, slots), iters=iters)
+            t_tri = timer(functools.partial(triton_ops.reshape_and_cache, k, v, kc, vc, slots), iters=iters)
+            t_ref = timer(functools.partial(torch_ops.reshape_and_cache, k, v, kc, vc, slots), iters=iters)
             moved = 2 * (2 * n * kvh * d * 2)  # K and V, read once and written once
-            results.append(dict(case=f"reshape_and_cache {n}", triton_s=t_tri, torch_s=t_ref, frac_copy=moved / t_tri / copy_bw))
-            print(f"{n:6} tokens: triton {_fmt_t(t_tri)} ({moved / t_tri / 1e9:6.0f} GB/s, {moved / t_tri / copy_bw:4.2f} of copy)"
-                  f"   torch {_fmt_t(t_ref)}   speed-up {t_ref / t_tri:5.1f}", flush=True)
+            results.append(dict(case=f"reshape_and_cache {n}", triton_s=t_tri, torch_s=t_ref,
+                                frac_copy=moved / t_tri / copy_bw))
+            print(f"{n:6} tokens: triton {_fmt_t(t_tri)} ({moved / t_tri / 1e9:6.0f} GB/s, "
+                  f"{moved / t_tri / copy_bw:4.2f} of copy)   torch {_fmt_t(t_ref)}   speed-up {t_ref / t_tri:5.1f}",
+                  flush=True)
         except Exception as e:
             print(f"{n:6} tokens: FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
@@ -251,7 +256,8 @@ def _count_generated(outputs, fallback: int) -> tuple[int, bool]:
 
 
 def bench_engine(num_prompts: int, max_tokens: int, model: str | None, results) -> None:
-    print(f"\n== engine end to end: {num_prompts} prompts, greedy, {max_tokens} new tokens each, EOS ignored ==", flush=True)
+    print(f"\n== engine end to end: {num_prompts} prompts, greedy, {max_tokens} new tokens each, EOS ignored ==",
+          flush=True)
     try:
         from engine.llm import LLM
 
@@ -265,8 +271,7 @@ def bench_engine(num_prompts: int, max_tokens: int, model: str | None, results) 
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         print(f"engine loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-        prompts = [f"Tell me about {TOPICS[i % len(TOPICS)]}." + (f" (part {i // len(TOPICS) + 1})" if i >= len(TOPICS) else "")
-                   for i in range(num_prompts)]
+        prompts = plain_prompts(num_prompts)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         saved = kernels._FORCED
         try:
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU (none found); nothing to measure.")
+        print("bench.kernels needs a CUDA GPU (none found); nothing to measure.")
         return 0
     import triton
 

@@ -1,0 +1,22 @@
+"""The benchmark harness: our engine against transformers' baselines, and the kernel benchmarks.
+
+Everything that measures lives here, outside the serving path: ``bench`` may import any part of the
+project (``engine``, ``kernels``), and nothing in the project imports ``bench`` (``tests/test_layout.py``
+checks it).
+
+Modules, by job:
+
+* :mod:`bench.cli` (``python -m bench``): the command line, the orchestration of runs, ``--json`` /
+  ``--html`` output;
+* :mod:`bench.workloads`: requests, the W64 file, offline / online (Poisson) / multi-turn workloads;
+* :mod:`bench.systems`: the systems compared (ours continuous and static, transformers' static
+  ``generate`` and its continuous batching) and the model-free schedule replay;
+* :mod:`bench.metrics`: forward timing, step and request records, summaries, tables, the machine;
+* :mod:`bench.profile`: where one decode step spends its time;
+* :mod:`bench.report` (``python -m bench.report results.json report.html``): the Plotly HTML report;
+* :mod:`bench.kernels` (``python -m bench.kernels``): the paged-attention kernels on a GPU;
+* :mod:`bench.compile_report` (``python -m bench.compile_report``): the Triton kernels compiled for
+  sm_90 without a GPU, with their registers, spills and shared memory.
+
+The reference workload W64 is ``bench/w64.json``.
+"""

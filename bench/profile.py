@@ -1,0 +1,124 @@
+"""Where one decode step of our engine spends its time (``python -m bench --profile``).
+
+The profiler is introspective by nature: it wraps the engine's parts (the scheduler's ``schedule`` and
+update, the runner's batch packing, the sampler, the output and telemetry steps, the attention kernels)
+with timers for a few steps, then puts them back. A part is looked up by its current name with a
+fallback to its former one (``update_from_output`` / ``update``), and a part the engine no longer has is
+left out (its time then counts as "other (step glue)"), so the profile runs across engine refactors.
+Times in milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from bench.metrics import forward_clock
+from bench.workloads import render_chat
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.prompts import chat_prompts
+from engine.request import SamplingParams
+
+
+def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int = 150, steps: int = 5,
+                        torch_profile: bool = True, **engine_args) -> dict:
+    """Where one decode step at ``num_requests`` running requests spends its time.
+
+    ``num_requests`` requests (built-in prompts, EOS ignored) are prefilled and decoded until their
+    contexts reach about ``context`` tokens; then ``steps`` decode steps are timed with each part of
+    the step wrapped: scheduling, packing the batch (``ModelRunner.prepare``), the model forward (split
+    into attention and the rest), sampling, the scheduler's update (``Scheduler.update_from_output``),
+    detokenizing (``OutputProcessor.process_tokens``), outputs and telemetry. With
+    ``torch_profile`` one more step runs under ``torch.profiler`` and its top operators are returned as a
+    printed table.
+
+    Returns:
+        ``{"parts_ms": {part: mean ms per step}, "step_ms": mean, "num_running": n, "context": tokens,
+        "forward_ms": mean ms in the model's forward, "torch_table": str or None, "tokens_per_s": decode
+        tokens/s at this batch}``.
+    """
+    import kernels
+
+    engine_args.setdefault("max_num_seqs", max(64, num_requests))
+    core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
+    prompts = [render_chat(tokenizer, m) for m in chat_prompts(num_requests)]
+    for i, ids in enumerate(prompts):
+        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=context + steps + 8, ignore_eos=True))
+    while True:
+        core.step()
+        running = core.scheduler.running
+        if len(running) == num_requests and min(r.num_tokens for r in running) >= context:
+            break
+    acc: dict[str, float] = {}
+
+    def wrap(obj, name, part):
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[part] = acc.get(part, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+        return fn
+
+    targets = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.runner, "prepare", "prepare (pack batch)"),
+        (core.sampler, "sample", "sample"),
+        (core.scheduler, "update_from_output", "update_from_output"),
+        (core.output_processor, "process_tokens", "detokenize (output processor)"),
+        (core, "_outputs", "outputs"),
+        (core, "_record", "telemetry"),
+        (kernels, "paged_attention", "attention (paged_attention)"),
+        (kernels, "reshape_and_cache", "attention (cache write)"),
+    ]
+    originals = [(obj, name, wrap(obj, name, part)) for obj, name, part in targets]
+    clock = forward_clock(model)
+    _, f0 = clock.read()
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    total = time.perf_counter() - t
+    _, f1 = clock.read()
+    for obj, name, fn in originals:
+        if obj is kernels:
+            setattr(obj, name, fn)  # a module function: put the original back
+        elif name in vars(obj):
+            delattr(obj, name)  # an instance attribute shadowing the method: remove it
+    fwd = f1 - f0
+    attn = acc.get("attention (paged_attention)", 0.0) + acc.get("attention (cache write)", 0.0)
+    parts = {k: 1000 * v / steps for k, v in acc.items()}
+    parts["forward: linear layers, norms, RoPE, lm_head"] = 1000 * (fwd - attn) / steps
+    outside = sum(v for k, v in acc.items() if not k.startswith("attention"))
+    parts["other (step glue)"] = 1000 * (total - fwd - outside) / steps
+    table = None
+    if torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            core.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+    ctx = sum(r.num_tokens for r in core.scheduler.running) / max(1, len(core.scheduler.running))
+    out = {"parts_ms": parts, "step_ms": 1000 * total / steps, "num_running": len(core.scheduler.running),
+           "context": ctx, "forward_ms": 1000 * fwd / steps, "torch_table": table,
+           "tokens_per_s": len(core.scheduler.running) / (total / steps)}
+    del core
+    gc.collect()
+    return out
+
+
+def print_profile(p: dict) -> None:
+    """Print :func:`profile_decode_step`'s result."""
+    print(f"\n== one decode step: {p['num_running']} running requests, mean context {p['context']:.0f} tokens ==")
+    print(f"step {p['step_ms']:.1f} ms ({p['tokens_per_s']:.0f} tokens/s at this batch), "
+          f"model forward {p['forward_ms']:.1f} ms ({100 * p['forward_ms'] / p['step_ms']:.1f}% of the step)")
+    for k, v in sorted(p["parts_ms"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<46} {v:8.2f} ms  {100 * v / p['step_ms']:5.1f}%")
+    if p.get("torch_table"):
+        print("\ntorch.profiler, one step, top operators by self CPU time:")
+        print(p["torch_table"])
+
