@@ -17,9 +17,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import SamplingParams
+from server import ServerThread, create_api
 from tests.conftest import make_tiny_model
-from ui.api import create_api
-from ui.server import ServerThread
 
 torch.set_num_threads(1)
 

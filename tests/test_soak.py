@@ -16,8 +16,7 @@ import openai
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from ui.api import create_api
-from ui.server import ServerThread
+from server import ServerThread, create_api
 
 MODEL = "tiny-soak"
 NUM_REQUESTS = 200
@@ -80,7 +79,7 @@ async def _soak(url: str, engine: AsyncEngine) -> dict:
         part way through its prefill (a test-side oracle: the client itself cannot see that)."""
         while True:
             snap = engine.telemetry.latest()
-            for s in snap.slots if snap else ():
+            for s in snap.batch_slots if snap else ():
                 if s.phase != "prefill" or s.request_id is None:
                     continue
                 req = engine.core.scheduler.requests.get(s.request_id)
@@ -145,7 +144,7 @@ def test_soak_disconnects_leak_nothing_and_survivors_match_alone(tiny_model, tok
     cut = [r for r in results if r["cut"]]
     whole = [r for r in results if not r["cut"] and r["kind"] != "prefill"]
     aborted = [r for r in records if r.finish_reason == "abort"]
-    prefilling = {s.request_id for snap in snaps for s in snap.slots if s.phase == "prefill"}
+    prefilling = {s.request_id for snap in snaps for s in snap.batch_slots if s.phase == "prefill"}
     cut_before_token = [r for r in aborted if r.num_output_tokens == 0]
     cut_in_prefill = [r for r in cut_before_token if r.request_id in prefilling]
     mismatches = [r for r in whole if (r["text"], r["reason"]) != ref[r["prompt"], r["max_tokens"]]]

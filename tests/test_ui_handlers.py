@@ -181,13 +181,15 @@ def test_app_options_from_command_line_and_environment():
 
     a = app.parse_args([], env={})
     assert a.max_num_seqs == 16 and a.policy == "continuous" and a.model is None and a.share is False
-    assert app.engine_kwargs(a) == {"model": None, "max_num_seqs": 16, "num_blocks": 384, "policy": "continuous"}
+    kw = app.engine_kwargs(a)
+    assert (kw["model"], kw["max_num_seqs"], kw["num_blocks"], kw["policy"]) == (None, 16, 384, "continuous")
+    assert "kv_cache_memory" not in kw and "dtype" not in kw  # unset: the engine decides
     env = {"CBP_PORT": "7999", "CBP_MAX_NUM_SEQS": "8", "CBP_KV_CACHE_MEMORY": "256MiB", "CBP_SHARE": "true",
            "CBP_POLICY": "static", "CBP_MODEL": "/models/x", "CBP_BLOCK_SIZE": ""}
     b = app.parse_args([], env=env)
     assert (b.port, b.max_num_seqs, b.kv_cache_memory, b.share, b.policy, b.model) == (
         7999, 8, "256MiB", True, "static", "/models/x")
-    assert b.block_size is None and b.num_blocks is None
+    assert b.block_size == 16 and b.num_blocks is None  # an empty variable is unset: the engine's default
     c = app.parse_args(["--port", "7001", "--max-num-seqs", "4", "--no-share", "--num-blocks", "64"],
                        env={**env, "CBP_KV_CACHE_MEMORY": ""})
     assert (c.port, c.max_num_seqs, c.share, c.num_blocks) == (7001, 4, False, 64)

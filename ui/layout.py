@@ -144,10 +144,12 @@ def build_app(
     return demo
 
 
+def mount_kwargs() -> dict[str, Any]:
+    """The page's look for ``gr.mount_gradio_app`` (``server.build_server(..., mount_kwargs=...)``):
+    translations, style, footer links, no run history; what :func:`launch` gives ``demo.launch``."""
+    return {"i18n": I18N, "css": CSS, "footer_links": ["api", "gradio", "settings"], "run_history": False}
+
+
 def launch(demo: gr.Blocks, **kwargs: Any):
     """``demo.queue().launch(...)`` with the app's translations and style; ``kwargs`` go to launch."""
-    kwargs.setdefault("i18n", I18N)
-    kwargs.setdefault("css", CSS)
-    kwargs.setdefault("footer_links", ["api", "gradio", "settings"])
-    kwargs.setdefault("run_history", False)
-    return demo.queue().launch(**kwargs)
+    return demo.queue().launch(**{**mount_kwargs(), **kwargs})

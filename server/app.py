@@ -1,14 +1,14 @@
-"""One server, one port: the OpenAI-compatible API (``/v1/...``, ``/health``, ``/metrics``) and the Gradio
-playground (``/``), run by uvicorn.
+"""One server, one port: the OpenAI-compatible API (``/v1/...``, ``/health``, ``/metrics``) and, when
+given, a Gradio app (``/``), run by uvicorn.
 
 ``build_server`` adds the API routes first, then mounts the Gradio app at ``/`` (a catch-all mount, so
 it must come last); ``serve`` runs the result; ``ServerThread`` runs it in a background thread (tests,
-notebooks).
+notebooks). The module knows nothing of the playground's page: its Gradio look (css, translations,
+footer) comes in as ``mount_kwargs`` (``ui.layout.mount_kwargs()`` in ``app.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
@@ -19,28 +19,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
-from ui.api import create_api
-
-log = logging.getLogger(__name__)
+from server.openai_api import create_api
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
-
-
-def default_mount_kwargs() -> dict[str, Any]:
-    """What ``ui.layout.launch`` gives ``demo.launch`` (translations, style, footer), for
-    ``gr.mount_gradio_app``; empty where the layout module does not provide it."""
-    kw: dict[str, Any] = {"footer_links": ["api", "gradio", "settings"], "run_history": False}
-    try:
-        from ui import layout
-
-        if getattr(layout, "CSS", None):
-            kw["css"] = layout.CSS
-        if getattr(layout, "I18N", None) is not None:
-            kw["i18n"] = layout.I18N
-    except Exception as e:  # the layout is optional here (an API-only server, a layout being rewritten)
-        log.debug("no layout defaults for mounting: %r", e)
-    return kw
 
 
 def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
@@ -58,8 +40,8 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
             seconds per client host (None = unlimited); past it HTTP 429 with ``Retry-After``.
         retry_after: ``Retry-After`` seconds of an overload 429.
         queue_size: Gradio's queue bound (``demo.queue(max_size=...)``; None = unbounded).
-        mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme...), over
-            :func:`default_mount_kwargs`.
+        mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme, footer_links...);
+            the playground's are ``ui.layout.mount_kwargs()``. None = Gradio's defaults.
     """
     if max_pending is not None:
         engine.max_pending = max_pending
@@ -68,8 +50,7 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         import gradio as gr
 
         demo.queue(max_size=queue_size)
-        kw = default_mount_kwargs() | dict(mount_kwargs or {})
-        gr.mount_gradio_app(app, demo, path="/", **kw)
+        gr.mount_gradio_app(app, demo, path="/", **dict(mount_kwargs or {}))
     return app
 
 

@@ -6,13 +6,15 @@
   official ``openai`` client works unchanged. ``usage`` is in every non-streamed response and, with
   ``stream_options: {"include_usage": true}``, in a last chunk with no choices (as OpenAI does).
 - ``GET /v1/models``, ``GET /health`` (200 while the engine thread runs, else 503) and ``GET /metrics``
-  (Prometheus text format, vLLM's metric meanings, ``cbp:`` instead of ``vllm:``).
+  (Prometheus text format, vLLM's metric meanings, ``cbp:`` instead of ``vllm:``; see
+  :mod:`server.metrics`).
 
 Every request is checked before the engine allocates anything (bad JSON or messages, empty prompt,
 prompt over the context length, sampling values out of range, ``n`` over ``MAX_N`` or the batch slots,
-an unknown model): a 4xx with an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+an unknown model; see :mod:`server.protocol`): a 4xx with an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``.
 A full engine (its ``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past
-its rate limit.
+its rate limit (:mod:`server.ratelimit`).
 A client that goes away, streaming or not, aborts its engine request at the next engine step, so its
 KV blocks return to the pool at once. The module imports nothing from Gradio.
 """
@@ -22,433 +24,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from asyncio_throttle import Throttler
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineOverloadedError
-from engine.request import MAX_N, RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams
+from server.metrics import EngineMetrics
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    chat_messages,
+    check_unicode,
+    completion_prompt,
+    param_of,
+    sampling_params_from,
+)
+from server.ratelimit import ClientRateLimiter
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
-
-# Histogram buckets: vLLM's (seconds; tokens).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-
-
-# ---------------------------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """An error answered as OpenAI does: HTTP ``status`` and ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | int | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict:
-        """The JSON body of the error response."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> Response:
-        """The error as a response (ASCII JSON, so echoed user input can never break the encoding)."""
-        return Response(json.dumps(self.body(), ensure_ascii=True), status_code=self.status, headers=self.headers,
-                        media_type="application/json")
-
-
-def _check_unicode(value, path: str = "body") -> None:
-    """Raise a 400 :class:`APIError` naming the first string in a parsed body that is not valid Unicode
-    (a lone surrogate is valid JSON but cannot be encoded as UTF-8 for the tokenizer)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, f"{path} is not valid Unicode text (lone surrogate)", param=path) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(v, f"{path}.{k}" if path != "body" else str(k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_unicode(v, f"{path}[{i}]")
 
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
-
-
-_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
-                "stop", "stop_token_ids")
-
-
-def _param_of(message: str, prompt_param: str) -> tuple[str | None, str | None]:
-    """(param, code) for a ``ValueError`` message of the engine (its first word names the field)."""
-    first = message.split(" ", 1)[0]
-    if first in _PARAM_NAMES:
-        return first, None
-    if first.startswith("n=") or "parallel samples" in message:
-        return "n", None
-    if "context length" in message or "KV blocks" in message:
-        return prompt_param, "context_length_exceeded"
-    if "prompt" in message:
-        return prompt_param, None
-    return None, None
-
-
-# ---------------------------------------------------------------------------------------------- request bodies
-class StreamOptions(BaseModel):
-    """``stream_options`` of a streamed request."""
-
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints: OpenAI's, then vLLM's extra sampling fields."""
-
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # vLLM's extra fields (``extra_body`` in the openai client)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = False
-    skip_special_tokens: bool | None = True
-    cache_salt: str | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """Body of ``POST /v1/chat/completions``."""
-
-    messages: Any = None  # checked by hand for clear messages
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    """Body of ``POST /v1/completions``."""
-
-    prompt: Any = None  # a string, token ids, or a list holding one of those
-    echo: bool | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-def sampling_params_from(body: _SamplingFields, default_max_tokens: int | None) -> SamplingParams:
-    """Map an OpenAI request body to :class:`SamplingParams` (vLLM's mapping).
-
-    ``temperature`` defaults to 1.0 and ``top_p`` to 1.0 (OpenAI's defaults); ``max_completion_tokens``
-    wins over ``max_tokens``; ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-    ``ignore_eos`` and ``skip_special_tokens`` are vLLM's extra fields.
-
-    Raises:
-        APIError: 400 for an unsupported field or a value out of range.
-    """
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by this server (use repetition_penalty)", param=name)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
-    max_tokens = getattr(body, "max_completion_tokens", None)
-    max_name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_name = body.max_tokens, "max_tokens"
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    params = SamplingParams(
-        n=1 if body.n is None else body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=bool(body.ignore_eos),
-        skip_special_tokens=body.skip_special_tokens is not False,
-    )
-    if isinstance(params.n, int) and params.n > MAX_N:
-        raise APIError(400, f"n too large: at most {MAX_N} completions per request, got n={params.n}", param="n")
-    try:
-        params.validate()
-    except ValueError as e:
-        msg = str(e)
-        param, _ = _param_of(msg, "prompt")
-        if param == "max_tokens":
-            param = max_name
-        raise APIError(400, msg, param=param) from None
-    return params
-
-
-def chat_messages(raw: Any) -> list[dict[str, str]]:
-    """Check and normalise OpenAI chat messages to ``{"role", "content"}`` dicts of strings.
-
-    ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts; ``developer`` is
-    taken as ``system``.
-
-    Raises:
-        APIError: 400 naming the first bad message.
-    """
-    if raw is None:
-        raise APIError(400, "messages is required: a non-empty list of chat messages", param="messages")
-    if not isinstance(raw, list):
-        raise APIError(400, "messages must be a list of chat messages", param="messages")
-    if not raw:
-        raise APIError(400, "messages is empty: give at least one chat message", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise APIError(400, f"{where} must be an object with 'role' and 'content'", param=where)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise APIError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                           param=f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise APIError(400, f"{where}.content[{j}]: only text parts are supported",
-                                   param=f"{where}.content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise APIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-def completion_prompt(raw: Any) -> str | list[int]:
-    """Check an OpenAI completions ``prompt``: a string, a list of token ids, or a list of one of those.
-
-    Raises:
-        APIError: 400 for an empty, malformed or multi-prompt value.
-    """
-    if isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
-        if len(raw) > 1:
-            raise APIError(400, f"only one prompt per request is supported, got {len(raw)}", param="prompt")
-        raw = raw[0]
-    if raw is None:
-        raise APIError(400, "prompt is required", param="prompt")
-    if isinstance(raw, str):
-        if not raw:
-            raise APIError(400, "prompt is empty", param="prompt")
-        return raw
-    if isinstance(raw, list):
-        if not raw:
-            raise APIError(400, "prompt is empty", param="prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-            return raw
-    raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
-
-
-# ---------------------------------------------------------------------------------------------- rate limit
-class ClientRateLimiter:
-    """Per-client request rate limit: at most ``rate`` requests per ``period`` seconds per key (the
-    client's host), on ``asyncio_throttle.Throttler``'s sliding window, without waiting: a request past
-    the limit is refused at once (HTTP 429), never queued.
-
-    Args:
-        rate: requests allowed per ``period`` per key.
-        period: window length (seconds).
-    """
-
-    MAX_KEYS = 4096  # beyond this many keys, idle ones are forgotten
-
-    def __init__(self, rate: int, period: float = 1.0) -> None:
-        if rate < 1 or period <= 0:
-            raise ValueError("rate limit must be >= 1 request per period > 0 s")
-        self.rate = rate
-        self.period = period
-        self._throttlers: dict[str, Throttler] = {}
-        self._last_used: dict[str, float] = {}
-
-    @property
-    def retry_after(self) -> int:
-        """Seconds a refused client should wait (whole seconds, for the ``Retry-After`` header)."""
-        return max(1, math.ceil(self.period))
-
-    def try_acquire(self, key: str) -> bool:
-        """Count one request for ``key`` if the window has room; False (nothing counted) if not.
-
-        Must be called on the event loop. ``Throttler.acquire`` either takes a place and returns
-        without suspending, or suspends in ``asyncio.sleep`` to wait for one: it is stepped once, and
-        when it would wait it is closed instead, which takes nothing.
-        """
-        now = time.monotonic()
-        throttler = self._throttlers.get(key)
-        if throttler is None:
-            if len(self._throttlers) >= self.MAX_KEYS:
-                self._forget_idle(now)
-            throttler = self._throttlers[key] = Throttler(rate_limit=self.rate, period=self.period)
-        self._last_used[key] = now
-        step = throttler.acquire()
-        try:
-            step.send(None)
-        except StopIteration:
-            return True
-        step.close()
-        return False
-
-    def _forget_idle(self, now: float) -> None:
-        for k, t in list(self._last_used.items()):
-            if now - t > self.period:
-                self._throttlers.pop(k, None)
-                self._last_used.pop(k, None)
-
-
-# ---------------------------------------------------------------------------------------------- metrics
-class EngineMetrics:
-    """Prometheus metrics of one engine in its own :class:`CollectorRegistry` (one per app, so tests
-    can build several apps). Meanings are vLLM's; names use ``{prefix}:`` instead of ``vllm:``.
-
-    Gauges and counters are read from the engine at each scrape; histograms are fed from the engine's
-    finished-request records (``Telemetry.finished_requests()``) at each scrape, so they cover every
-    request of the engine (UI chats too), not only API ones.
-    """
-
-    def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = "cbp",
-                 registry: CollectorRegistry | None = None) -> None:
-        self.engine = engine
-        self.model_name = model_name
-        self.prefix = prefix
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self._lock = threading.Lock()
-        self._last_seen = None
-        p, labels = prefix, ["model_name"]
-
-        def hist(name, doc, buckets):
-            return Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
-
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds",
-                         "Histogram of time per output token in seconds (per request: (e2e - ttft) / "
-                         "(generated tokens - 1)).", TPOT_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                        E2E_BUCKETS)
-        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed (per request).",
-                               TOKEN_BUCKETS)
-        self.gen_len = hist("request_generation_tokens", "Number of generation tokens processed (per request).",
-                            TOKEN_BUCKETS)
-        self.success = Counter(f"{p}:request_success", "Count of finished requests by finish reason.",
-                               ["model_name", "finished_reason"], registry=self.registry)
-        self.rejected = Counter(f"{p}:api_rejected_requests",
-                                "API requests refused before reaching the engine, by reason "
-                                "(invalid, overloaded, rate_limited, unavailable).",
-                                ["model_name", "reason"], registry=self.registry)
-        self.registry.register(self)
-
-    def reject(self, reason: str) -> None:
-        """Count one refused API request."""
-        self.rejected.labels(self.model_name, reason).inc()
-
-    def sync(self) -> None:
-        """Feed the histograms with the requests finished since the last call."""
-        with self._lock:
-            records = self.engine.telemetry.finished_requests()
-            start = 0
-            if self._last_seen is not None:
-                for i in range(len(records) - 1, -1, -1):
-                    if records[i] is self._last_seen:
-                        start = i + 1
-                        break
-            for r in records[start:]:
-                if r.ttft is not None:
-                    self.ttft.observe(r.ttft)
-                if r.tpot is not None:
-                    self.tpot.observe(r.tpot)
-                self.e2e.observe(r.e2e)
-                self.prompt_len.observe(r.num_prompt_tokens)
-                self.gen_len.observe(r.num_output_tokens)
-                self.success.labels(self.model_name, r.finish_reason or "unknown").inc()
-            if records:
-                self._last_seen = records[-1]
-
-    def collect(self):
-        """Live gauges and cumulative counters (called by the registry at each scrape), read from the
-        engine's latest telemetry snapshot and totals, never from the scheduler itself."""
-        p, m = self.prefix, [self.model_name]
-        tel = self.engine.telemetry
-        snap = tel.latest()
-
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
-            g.add_metric(m, value)
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
-            c.add_metric(m, value)
-            return c
-
-        yield gauge("num_requests_running", "Number of requests in model execution batches.",
-                    snap.num_running if snap else 0)
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                    snap.num_waiting if snap else 0)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    snap.kv_usage if snap else 0.0)
-        yield gauge("num_requests_pending", "Requests streaming now (admitted to the engine, not finished).",
-                    self.engine.num_pending)
-        yield gauge("engine_healthy", "1 while the engine thread runs, else 0.", 1 if self.engine.healthy else 0)
-        yield counter("prompt_tokens", "Number of prefill tokens processed (counted when a request ends).",
-                      tel.total_prompt_tokens)
-        yield counter("generation_tokens", "Number of generation tokens processed.", tel.total_generated_tokens)
-        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      getattr(snap, "prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      getattr(snap, "prefix_cache_hits", 0))
-        yield counter("num_preemptions", "Cumulative number of preemption from the engine.",
-                      snap.num_preemptions if snap else 0)
-
-    def render(self) -> bytes:
-        """The registry in Prometheus text format (after :meth:`sync`)."""
-        self.sync()
-        return generate_latest(self.registry)
 
 
 # ---------------------------------------------------------------------------------------------- disconnects
@@ -512,7 +123,7 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # -------------------------------------------------------------- checks
-    def admit(self, request: Request, body: _SamplingFields) -> None:
+    def admit(self, request: Request, body: SamplingFields) -> None:
         """Checks that need no tokenizing: model name, rate limit, engine alive."""
         if body.model is not None and body.model != self.model_name:
             self.metrics.reject("invalid")
@@ -540,7 +151,7 @@ class OpenAIServer:
         except ValueError as e:
             self.metrics.reject("invalid")
             msg = str(e)
-            param, code = _param_of(msg, prompt_param)
+            param, code = param_of(msg, prompt_param)
             if param == "n":
                 msg = f"n too large: {msg}"
             raise APIError(400, msg, param=param, code=code) from None
@@ -778,7 +389,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     def _unicode_error(body) -> Response | None:
         """A 400 response when a string of the parsed body is not valid Unicode, else None."""
         try:
-            _check_unicode(body.model_dump())
+            check_unicode(body.model_dump())
         except APIError as e:
             metrics.reject("invalid")
             return e.response()

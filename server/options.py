@@ -1,0 +1,43 @@
+"""The server's command-line options, declared once as :class:`engine.options.Option` (flag, type,
+default, help and ``CBP_*`` variable): where it listens and how much it admits.
+
+``app.py`` adds them next to :data:`engine.options.ENGINE_OPTIONS`; :func:`server_kwargs` turns the
+parsed values into :func:`server.app.build_server` arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from engine.options import Option, add_options
+
+SERVER_OPTIONS: tuple[Option, ...] = (
+    Option("host", str, None, "address to bind (default: GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 for all)"),
+    Option("port", int, None, "port (default: GRADIO_SERVER_PORT or the first free one from 7860)"),
+    Option("share", bool, False, "create a public gradio.live link (the OpenAI API is not served then)"),
+    Option("max_pending", int, 256,
+           "requests in flight at once (chats + API); more get 'busy, retry' / HTTP 429"),
+    Option("rate_limit", int, 0, "API requests per --rate-period per client host; 0 = no limit"),
+    Option("rate_period", float, 60.0, "seconds of the rate-limit window"),
+    Option("queue_size", int, 256, "Gradio's event queue bound"),
+    Option("served_model_name", str, None,
+           "model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)"),
+)
+
+
+def add_server_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None,
+                       defaults: Mapping[str, object] | None = None) -> None:
+    """Add :data:`SERVER_OPTIONS` to ``parser`` (see :func:`engine.options.add_options`).
+
+    Raises:
+        ValueError: a ``CBP_*`` variable in ``env`` holds an invalid value.
+    """
+    add_options(parser, SERVER_OPTIONS, env=env, defaults=defaults)
+
+
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """:func:`server.app.build_server` keyword arguments from a namespace parsed with
+    :func:`add_server_options` (``rate_limit`` 0 means no limit: None)."""
+    return {"model_name": args.served_model_name, "max_pending": args.max_pending,
+            "rate_limit": args.rate_limit or None, "rate_period": args.rate_period, "queue_size": args.queue_size}

@@ -1,0 +1,89 @@
+"""Command-line options are declared once (``engine.options``, ``server.options``, the page's in
+``app.py``): ``app.py``'s parser and ``python -m engine``'s have the same engine flags with the same
+defaults (the app's differ only by ``PLAYGROUND_DEFAULTS``), every option reads its ``CBP_*`` variable
+in the app, and the command line wins over the variable."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import app
+from engine.__main__ import build_parser as engine_parser
+from engine.options import ENGINE_OPTIONS, PLAYGROUND_DEFAULTS, Option
+from server.options import SERVER_OPTIONS, server_kwargs
+
+_SAMPLE = {int: "3", float: "0.25", str: "x"}
+
+
+def _given(opt: Option) -> tuple[list[str], object]:
+    """A command line setting ``opt`` and the value it must parse to."""
+    if opt.type is bool:
+        return [opt.flag] if not opt.default else ["--no-" + opt.flag[2:]], not opt.default
+    raw = opt.choices[-1] if opt.choices else _SAMPLE[opt.type]
+    return [opt.flag, str(raw)], opt.type(raw)
+
+
+def _check_declared(parser: argparse.ArgumentParser, opt: Option, default: object) -> None:
+    """``parser`` has ``opt``'s flag (same name, type, switch form) with ``default``."""
+    assert parser.get_default(opt.name) == default, opt.name
+    argv, value = _given(opt)
+    parsed, _rest = parser.parse_known_args(argv)
+    assert getattr(parsed, opt.name) == value and type(getattr(parsed, opt.name)) is opt.type, opt.name
+
+
+def test_option_names_are_unique():
+    names = [o.name for o in (*ENGINE_OPTIONS, *SERVER_OPTIONS, *app.UI_OPTIONS)]
+    assert len(names) == len(set(names))
+    assert set(PLAYGROUND_DEFAULTS) <= {o.name for o in ENGINE_OPTIONS}
+
+
+def test_app_and_engine_parsers_share_the_engine_declarations():
+    app_parser, cli_parser = app.build_parser(env={}), engine_parser()
+    for opt in ENGINE_OPTIONS:
+        _check_declared(cli_parser, opt, opt.default)
+        expected = PLAYGROUND_DEFAULTS.get(opt.name, opt.default)
+        if opt.name == "num_blocks":  # the playground's 384 is applied after parsing (see below)
+            expected = None
+        _check_declared(app_parser, opt, expected)
+    for opt in (*SERVER_OPTIONS, *app.UI_OPTIONS):
+        _check_declared(app_parser, opt, opt.default)
+    defaults = app.parse_args([], env={})
+    for name, value in PLAYGROUND_DEFAULTS.items():
+        assert getattr(defaults, name) == value, name
+
+
+def test_kv_size_options_are_exclusive_and_384_blocks_only_without_either():
+    assert app.parse_args([], env={}).num_blocks == PLAYGROUND_DEFAULTS["num_blocks"]
+    by_memory = app.parse_args(["--kv-cache-memory", "1GiB"], env={})
+    assert by_memory.num_blocks is None and by_memory.kv_cache_memory == "1GiB"
+    assert "num_blocks" not in app.engine_kwargs(by_memory)
+    from_env = app.parse_args([], env={"CBP_KV_CACHE_MEMORY": "0.5"})
+    assert from_env.num_blocks is None and from_env.kv_cache_memory == "0.5"
+    assert app.parse_args(["--num-blocks", "64"], env={}).num_blocks == 64
+    for argv, env in ((["--num-blocks", "64", "--kv-cache-memory", "1GiB"], {}),
+                      ([], {"CBP_NUM_BLOCKS": "64", "CBP_KV_CACHE_MEMORY": "1GiB"}),
+                      (["--num-blocks", "64"], {"CBP_KV_CACHE_MEMORY": "1GiB"})):
+        with pytest.raises(SystemExit):
+            app.parse_args(argv, env=env)
+
+
+def test_environment_variables_and_command_line_precedence():
+    env = {"CBP_MAX_NUM_SEQS": "32", "CBP_ENABLE_PREFIX_CACHING": "false", "CBP_SHARE": "1",
+           "CBP_RATE_LIMIT": "5", "CBP_RATE_PERIOD": "10", "CBP_REFRESH": "2", "CBP_POLICY": "static",
+           "CBP_SERVED_MODEL_NAME": "m", "CBP_DTYPE": " "}
+    a = app.parse_args([], env=env)
+    assert (a.max_num_seqs, a.enable_prefix_caching, a.share, a.rate_limit, a.rate_period, a.refresh, a.policy) == (
+        32, False, True, 5, 10.0, 2.0, "static")
+    assert a.dtype is None  # an empty variable is unset
+    assert app.engine_kwargs(a)["max_num_seqs"] == 32 and app.engine_kwargs(a)["enable_prefix_caching"] is False
+    assert server_kwargs(a) == {"model_name": "m", "max_pending": 256, "rate_limit": 5, "rate_period": 10.0,
+                                "queue_size": 256}
+    b = app.parse_args(["--max-num-seqs", "8", "--enable-prefix-caching", "--no-share", "--policy", "continuous"],
+                       env=env)
+    assert (b.max_num_seqs, b.enable_prefix_caching, b.share, b.policy) == (8, True, False, "continuous")
+    assert server_kwargs(app.parse_args([], env={}))["rate_limit"] is None  # 0 = no limit
+    for bad in ({"CBP_MAX_NUM_SEQS": "many"}, {"CBP_POLICY": "bogus"}, {"CBP_PORT": "80.5"}):
+        with pytest.raises(SystemExit):
+            app.parse_args([], env=bad)
