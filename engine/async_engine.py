@@ -46,7 +46,7 @@ class AsyncEngine:
             self.start()
 
     @classmethod
-    def from_args(cls, model=None, tokenizer=None, max_pending: int | None = None, **engine_args) -> "AsyncEngine":
+    def from_args(cls, model=None, tokenizer=None, max_pending: int | None = None, **engine_args) -> AsyncEngine:
         """Build an engine from :class:`EngineConfig` fields (``model=None`` = embedded default;
         a preloaded model object needs ``tokenizer``) and start it."""
         if model is None or isinstance(model, str):

@@ -82,7 +82,7 @@ class EngineConfig:
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from keyword arguments (None values take the defaults), rejecting unknown names with a
         ``TypeError``."""
         names = {f.name for f in fields(cls)}

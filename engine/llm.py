@@ -51,7 +51,7 @@ class LLM:
             ValueError: a bad prompt or sampling value (nothing is run then).
         """
         single = isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and (isinstance(prompts[0], dict) or isinstance(prompts[0], int))
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (dict, int))
         )
         if single:
             prompts = [prompts]

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 MAX_N = 16  # most parallel completions of one request
 
 

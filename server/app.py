@@ -102,7 +102,7 @@ class ServerThread:
         """``http://host:port`` (the real port once started)."""
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         """Start and wait until the server accepts connections (raises ``RuntimeError`` after ``timeout``)."""
         self.thread.start()
         deadline = time.monotonic() + timeout
@@ -118,7 +118,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -26,8 +26,9 @@ MAX_TOKENS = (8, 24)
 TIME_LIMIT_S = 120.0
 CUT_WITHIN_S = 1.5  # a timed cut comes within this many seconds of sending
 
-_WORDS = ("engine block slot token cache prefix batch stream chunk prompt decode prefill queue "
-          "scheduler kernel paged attention sampler detokenizer lighthouse river mountain").split()
+_WORDS = ["engine", "block", "slot", "token", "cache", "prefix", "batch", "stream", "chunk", "prompt", "decode",
+          "prefill", "queue", "scheduler", "kernel", "paged", "attention", "sampler", "detokenizer", "lighthouse",
+          "river", "mountain"]
 
 
 def _prompts() -> list[list[dict]]:

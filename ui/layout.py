@@ -8,9 +8,9 @@ from typing import Any
 import gradio as gr
 
 from ui.chat import ChatHandlers
+from ui.compare import build_compare_tab
 from ui.i18n import I18N, language, t
 from ui.loadgen import LoadGenerator
-from ui.compare import build_compare_tab
 from ui.panels import COUNTER_KEYS, Panels
 
 CSS = """
