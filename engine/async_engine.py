@@ -2,6 +2,10 @@
 
 Outputs reach each caller's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; leaving the
 ``async for`` early (break, cancellation, client gone) aborts the request in the engine.
+
+Pacing (for talks): :meth:`AsyncEngine.pause` stops stepping (requests queue, streams wait; aborts
+still free their blocks), :meth:`AsyncEngine.step_once` runs exactly one step while paused, and
+:meth:`AsyncEngine.set_min_step_time` slows every step down to a minimum wall time.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -42,6 +47,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
+        self._paused = False
+        self._single_steps = 0  # steps granted by step_once() while paused
+        self._min_step_time = 0.0  # seconds; slow motion when > 0
         if start:
             self.start()
 
@@ -101,17 +109,91 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.core.has_unfinished_requests():
+            with self._lock:
+                may_step = not self._paused or self._single_steps > 0
+            if not may_step:  # paused: no step runs, but new requests queue and aborts free their blocks
+                for out in self.core.process_inbox():
+                    self._deliver(out)
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            if not self.core.has_unfinished_requests():
+                with self._lock:
+                    self._single_steps = 0  # a single step with nothing to do is spent
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
             try:
                 outputs = self.core.step()
             except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(e)
+            with self._lock:
+                if self._paused and self._single_steps > 0:
+                    self._single_steps -= 1
             for out in outputs:
                 self._deliver(out)
+            rest = self._min_step_time - (time.monotonic() - t0)
+            if rest > 0:
+                self._stop.wait(rest)
+
+    # ------------------------------------------------------------------ pacing (talk mode)
+    @property
+    def paused(self) -> bool:
+        """True while :meth:`pause` holds the engine."""
+        return self._paused
+
+    @property
+    def step_count(self) -> int:
+        """Engine steps run so far."""
+        return self.core.step_count
+
+    @property
+    def min_step_time(self) -> float:
+        """Slow motion: the least wall time of one step (seconds; 0 = full speed)."""
+        return self._min_step_time
+
+    def pause(self) -> None:
+        """Stop running steps: requests queue, streams wait; aborts and disconnects still free their
+        blocks. Recorded in the telemetry (``telemetry.paused``)."""
+        with self._lock:
+            self._paused = True
+            self._single_steps = 0
+        self.core.telemetry.paused = True
+        self._wake.set()
+
+    def resume(self) -> None:
+        """Run steps again at the set pace."""
+        with self._lock:
+            self._paused = False
+            self._single_steps = 0
+        self.core.telemetry.paused = False
+        self._wake.set()
+
+    def step_once(self, steps: int = 1) -> None:
+        """While paused, run exactly ``steps`` more engine steps (a step with nothing to do is spent);
+        ignored when not paused.
+
+        Raises:
+            ValueError: ``steps`` < 1.
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        with self._lock:
+            if self._paused:
+                self._single_steps += steps
+        self._wake.set()
+
+    def set_min_step_time(self, seconds: float) -> None:
+        """Slow motion: make every step last at least ``seconds`` (0 to 10; 0 = full speed).
+
+        Raises:
+            ValueError: a value outside [0, 10] or not a number.
+        """
+        if not isinstance(seconds, (int, float)) or not 0.0 <= seconds <= 10.0:
+            raise ValueError(f"the minimum step time must be in [0, 10] seconds, got {seconds!r}")
+        self._min_step_time = float(seconds)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         return self.core.fail_all(f"engine error: {exc!r}")

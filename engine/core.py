@@ -239,6 +239,19 @@ class EngineCore:
                 for seq in self._groups.get(item, [None]):
                     self.scheduler.abort(item if seq is None else seq.request_id)
 
+    def process_inbox(self) -> list[RequestOutput]:
+        """Apply the queued adds and aborts without running a step (a paused engine): new requests join
+        the waiting queue, aborted ones give their blocks back now. Returns the final outputs of the
+        requests that ended (aborted, refused)."""
+        self._rejected = []
+        self._drain_inbox()
+        finished = self.scheduler.take_finished()
+        self._record_finished(finished, time.monotonic())
+        outputs = self._outputs(finished)
+        outputs += [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
+        self._rejected = []
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting, running, or queued for the next step."""
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
@@ -359,6 +372,9 @@ class EngineCore:
                 waiting=tuple(r.request_id for r in self.scheduler.waiting),
             )
         )
+        self._record_finished(finished, now)
+
+    def _record_finished(self, finished: list[Request], now: float) -> None:
         for r in finished:
             self.telemetry.record_finished(
                 FinishedRequestStats(r.request_id, r.ttft, r.tpot, (r.finish_time or now) - r.arrival_time,

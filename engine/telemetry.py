@@ -177,6 +177,7 @@ class Telemetry:
     total_steps: int = field(init=False, default=0)
     total_idle_slot_steps: int = field(init=False, default=0)
     start_time: float = field(init=False, default_factory=time.monotonic)
+    paused: bool = field(init=False, default=False)  # the engine is paused (talk mode): no step runs
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
@@ -218,7 +219,7 @@ class Telemetry:
         Returns a dict with ``running``, ``waiting``, ``kv_usage`` (0..1), ``tokens_per_s`` (generated
         tokens per second over the last ``window`` seconds of steps), ``steps``, ``preemptions``,
         ``generated_tokens``, ``prefix_hit_rate`` (0..1, None before any lookup),
-        ``prefill_tokens_saved`` (tokens) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
+        ``prefill_tokens_saved`` (tokens), ``paused`` (bool) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
         ``tpot_p99`` (seconds, over the kept finished requests; None when there are none).
         """
         with self._lock:
@@ -237,6 +238,7 @@ class Telemetry:
             "generated_tokens": total_gen,
             "prefix_hit_rate": None,
             "prefill_tokens_saved": 0,
+            "paused": self.paused,
         }
         if steps:
             last = steps[-1]

@@ -1,0 +1,94 @@
+"""Talk-mode pacing of the async engine: pause, single steps, slow motion; aborts free blocks while paused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_model, tokenizer):
+    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=4, max_num_seqs=4), model=tiny_model,
+                                 tokenizer=tokenizer))
+    yield eng
+    eng.shutdown()
+
+
+async def _until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_pause_queues_requests_and_single_steps_run_exactly_one_step(engine):
+    async def main():
+        engine.pause()
+        assert engine.paused and engine.telemetry.stats()["paused"]
+        before = engine.step_count
+        tokens = []
+
+        async def consume():
+            async for out in engine.generate("hello there", SamplingParams(max_tokens=6, ignore_eos=True),
+                                             request_id="p"):
+                tokens.append(len(out.token_ids))
+            return out
+
+        task = asyncio.create_task(consume())
+        await _until(lambda: engine.core.stats().num_waiting == 1)  # queued, not run
+        await asyncio.sleep(0.2)
+        assert engine.step_count == before and tokens == []
+        for k in range(1, 4):  # each press: exactly one step, one more token
+            engine.step_once()
+            await _until(lambda: engine.step_count == before + k)
+            await asyncio.sleep(0.1)
+            assert engine.step_count == before + k and tokens[-1] == k
+        engine.resume()
+        out = await task
+        assert not engine.paused and len(out.token_ids) == 6
+
+    asyncio.run(main())
+
+
+def test_abort_while_paused_frees_blocks_without_a_step(engine):
+    async def main():
+        async def consume():
+            async for out in engine.generate("a longer prompt to hold blocks", SamplingParams(max_tokens=500,
+                                                                                            ignore_eos=True)):
+                if len(out.token_ids) >= 3:
+                    engine.pause()
+                    await asyncio.sleep(0.1)
+                    return engine.step_count  # leaving the stream aborts the request
+
+        steps = await consume()
+        await _until(lambda: engine.core.stats().num_used_blocks == 0)
+        assert engine.paused and engine.step_count == steps  # freed while paused, no step ran
+        assert engine.telemetry.finished_requests()[-1].finish_reason == "abort"
+        engine.resume()
+
+    asyncio.run(main())
+
+
+def test_slow_motion_sets_a_minimum_time_per_step(engine):
+    with pytest.raises(ValueError):
+        engine.set_min_step_time(-1)
+    with pytest.raises(ValueError):
+        engine.step_once(0)
+    engine.set_min_step_time(0.1)
+    assert engine.min_step_time == 0.1
+
+    async def main():
+        t = time.monotonic()
+        out = await engine.generate_text("slowly", SamplingParams(max_tokens=4, ignore_eos=True))
+        return out, time.monotonic() - t
+
+    out, elapsed = asyncio.run(main())
+    assert len(out.token_ids) == 4 and elapsed >= 0.3  # four steps of at least 0.1 s (the last one's wait may follow)
+    engine.set_min_step_time(0)
