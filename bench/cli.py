@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from bench.metrics import environment, format_multiturn, format_table, step_series, summarize
-from bench.profile import print_profile, profile_decode_step
+from bench.step_profile import print_profile, profile_decode_step
 from bench.systems import SYSTEMS, replay_schedule, run_hf_cb, run_hf_static, run_ours
 from bench.workloads import BenchRequest, MultiTurn, load_workload, offline_workload, poisson_arrivals
 from engine.options import add_engine_options, engine_kwargs

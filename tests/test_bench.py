@@ -182,7 +182,7 @@ def test_one_prompt_bank_serves_every_user():
 
 
 def test_decode_step_profile_times_the_parts_and_puts_them_back(clean_model, tokenizer):
-    from bench.profile import profile_decode_step
+    from bench.step_profile import profile_decode_step
 
     p = profile_decode_step(clean_model, tokenizer, num_requests=3, context=40, steps=2, torch_profile=False,
                             num_blocks=64)

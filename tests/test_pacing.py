@@ -47,7 +47,7 @@ def test_pause_queues_requests_and_single_steps_run_exactly_one_step(engine):
         assert engine.step_count == before and tokens == []
         for k in range(1, 4):  # each press: exactly one step, one more token
             engine.step_once()
-            await _until(lambda: engine.step_count == before + k)
+            await _until(lambda k=k: engine.step_count == before + k)
             await asyncio.sleep(0.1)
             assert engine.step_count == before + k and tokens[-1] == k
         engine.resume()
