@@ -20,7 +20,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, bytes_per_block
 from engine.output_processor import OutputProcessor
-from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import ChatPrompt, Request, RequestOutput, RequestStatus, SamplingParams, TextPrompt
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.telemetry import BatchSlotSnapshot, FinishedRequestStats, StepSnapshot, Telemetry
@@ -138,33 +138,60 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt) -> list[int]:
-        """Prompt -> token ids. A string is tokenized as is; a list of ``{"role", "content"}`` dicts
-        is rendered with the chat template (generation prompt added); a list of ints is taken as ids.
+        """Prompt -> token ids. A string (or a :class:`TextPrompt`) is tokenized as is; a list of
+        ``{"role", "content"}`` dicts is rendered with the chat template (generation prompt added), a
+        :class:`ChatPrompt` with its own flags; a list of ints is taken as ids.
 
         Raises:
             ValueError: empty or malformed prompt.
         """
+        add_special_tokens = True
+        if isinstance(prompt, TextPrompt):
+            prompt, add_special_tokens = prompt.text, bool(prompt.add_special_tokens)
+            if not isinstance(prompt, str):
+                raise ValueError("a TextPrompt's text must be a string")
+        if isinstance(prompt, ChatPrompt):
+            return self._render_chat(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             _check_text(prompt, "the prompt")
-            return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             vocab = self.model.config.get_text_config().vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError("each chat message needs a string 'role' and a string 'content'")
-                _check_text(m["role"], "a chat message role")
-                _check_text(m["content"], "a chat message")
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self._render_chat(ChatPrompt(list(prompt)))
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise ValueError("the prompt is empty")
         raise ValueError("a prompt must be a string, a list of chat messages or a list of token ids")
+
+    def _render_chat(self, chat: ChatPrompt) -> list[int]:
+        """A chat rendered with the chat template and its flags, then tokenized. Raises ``ValueError``."""
+        messages = chat.messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("the prompt is empty")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each chat message needs a string 'role' and a string 'content'")
+            _check_text(m["role"], "a chat message role")
+            _check_text(m["content"], "a chat message")
+        if chat.continue_final_message and chat.add_generation_prompt:
+            raise ValueError("continue_final_message cannot be used together with add_generation_prompt")
+        kwargs = dict(chat.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",
+                                         "continue_final_message", "chat_template", "tools", "documents"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs,
+                                                      add_generation_prompt=bool(chat.add_generation_prompt),
+                                                      continue_final_message=bool(chat.continue_final_message))
+        except Exception as e:  # a template error (jinja, a bad variable): this request's fault
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+        return self.tokenizer(text, add_special_tokens=bool(chat.add_special_tokens))["input_ids"]
 
     def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                      cache_salt: str | None = None) -> Request:
@@ -187,6 +214,14 @@ class EngineCore:
         if request_id is not None:
             _check_text(request_id, "the request id")
         ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k prompt tokens
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
+        vocab = self.model.config.get_text_config().vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids has a token id outside the vocabulary [0, {vocab})")
         rid = request_id or uuid.uuid4().hex
         seqs = []
         for i in range(params.n):

@@ -102,6 +102,9 @@ class IncrementalDetokenizer:
     that stop string is returned and nothing more is ever emitted; if several complete at the same
     token, the one that starts first wins (then the first listed). This is the streaming rule (vLLM's
     too): a stop string that starts earlier but would only complete later never gets the chance.
+    With ``include_stop_str_in_output`` nothing is held back and the text is cut right *after* the stop
+    string instead (a stop string that began in text already emitted still counts). ``update(...,
+    check_stop=False)`` (before ``min_tokens`` tokens exist) emits text without looking for stop strings.
 
     Concatenating every delta and :meth:`flush` gives ``tokenizer.decode(generated_ids,
     skip_special_tokens=..., clean_up_tokenization_spaces=False)`` (cut before the stop string if one
@@ -114,6 +117,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt's token ids; only its last few are used, as context.
         stop: stop strings (non-empty ``str``); empty or None for none.
         skip_special_tokens: passed to ``decode``.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
 
     Raises:
         ValueError: a stop string is empty or not a ``str``.
@@ -129,9 +133,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Iterable[str] | None = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = bool(include_stop_str_in_output)
         self._stops: list[str] = list(stop or ())
         for s in self._stops:
             if not isinstance(s, str) or s == "":
@@ -170,11 +176,12 @@ class IncrementalDetokenizer:
             self._chunks = [self._text_cache]
         return self._text_cache
 
-    def update(self, token_id: int) -> tuple[str, str | None]:
+    def update(self, token_id: int, check_stop: bool = True) -> tuple[str, str | None]:
         """Add one generated token.
 
         Args:
             token_id: the new token id.
+            check_stop: look for stop strings (False while the request has fewer than ``min_tokens``).
 
         Returns:
             ``(delta, stop)``: ``delta`` is the text safe to emit now (possibly ``""``); ``stop`` is the
@@ -192,9 +199,9 @@ class IncrementalDetokenizer:
             return "", None  # an incomplete character (or no text yet): wait for the next token
         delta = new_text[len(self._prefix_text) :]
         self._advance()
-        return self._emit(delta, final=False)
+        return self._emit(delta, final=False, check_stop=check_stop)
 
-    def flush(self) -> str:
+    def flush(self, check_stop: bool = True) -> str:
         """Finish: return all held-back text (incomplete bytes as U+FFFD, the possible beginning of a
         stop string), for a request that ends for another reason (EOS, length, abort). A stop string
         completed by the held text still cuts it (``stop_reason`` is then set). Idempotent: a second
@@ -210,7 +217,7 @@ class IncrementalDetokenizer:
             new_text = self._decode(self._window)
             delta = new_text[len(self._prefix_text) :]
             self._advance()
-        out, _ = self._emit(delta, final=True)
+        out, _ = self._emit(delta, final=True, check_stop=check_stop)
         self.finished = True
         return out
 
@@ -221,12 +228,18 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window)
         self._read = len(self._window)
 
-    def _emit(self, new: str, final: bool) -> tuple[str, str | None]:
+    def _emit(self, new: str, final: bool, check_stop: bool = True) -> tuple[str, str | None]:
         """Pass ``new`` text through the stop-string hold; record and return what may be emitted."""
+        if self.include_stop:
+            return self._emit_including(new, check_stop)
         pending = self._pending + new
         out = pending
         stop = None
-        if self._stops and pending:
+        if self._stops and pending and not check_stop:
+            hold = 0 if final else self._held_suffix(pending)
+            out = pending[: len(pending) - hold]
+            self._pending = pending[len(pending) - hold :]
+        elif self._stops and pending:
             best = -1
             for s in self._stops:
                 i = pending.find(s)
@@ -245,6 +258,28 @@ class IncrementalDetokenizer:
                 self._pending = ""
         else:
             self._pending = ""
+        if out:
+            self._chunks.append(out)
+            self._text_cache = None
+        return out, stop
+
+    def _emit_including(self, new: str, check_stop: bool) -> tuple[str, str | None]:
+        """``_emit`` with ``include_stop_str_in_output``: nothing held; a stop string that ends in ``new``
+        (it may begin in the text already emitted) cuts the text right after it."""
+        stop = None
+        out = new
+        if self._stops and new and check_stop:
+            tail = self.text[-(self._max_stop - 1):] if self._max_stop > 1 else ""
+            window = tail + new
+            best_end = -1
+            for s in self._stops:
+                i = window.find(s, max(0, len(tail) - len(s) + 1))
+                if i != -1 and (best_end == -1 or i + len(s) < best_end):
+                    best_end, stop = i + len(s), s
+            if stop is not None:
+                out = window[len(tail):best_end]
+                self.stop_reason = stop
+                self.finished = True
         if out:
             self._chunks.append(out)
             self._text_cache = None

@@ -30,7 +30,8 @@ class OutputProcessor:
         Raises:
             ValueError: a stop string is empty or not a string.
         """
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                                      params.include_stop_str_in_output)
 
     def process_tokens(self, changed: list[Request]) -> list[Request]:
         """Turn the newest token of each request in ``changed`` into text (``request.pending_text``).
@@ -38,6 +39,10 @@ class OutputProcessor:
         A request that the scheduler already finished (EOS, stop token, length) gets its held-back text
         flushed. A stop string that completes sets ``request.stop_reason`` to it; a request that hit
         ``max_tokens`` on the same token becomes ``FINISHED_STOPPED`` (the stop string wins, as in vLLM).
+
+        vLLM's rules: the text of the EOS or stop token that ended a request is left out of its text
+        (kept with ``include_stop_str_in_output``; the token stays in ``token_ids``), and stop strings are
+        looked for only once the request has more than ``min_tokens`` tokens.
 
         Returns:
             The still running requests whose stop string matched: the caller must finish them with
@@ -48,7 +53,12 @@ class OutputProcessor:
             detok = req.detokenizer
             if detok is None:
                 continue
-            delta, stop_str = detok.update(req.output_token_ids[-1])
+            sp = req.sampling_params
+            check = len(req.output_token_ids) > sp.min_tokens
+            if req.status == RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output:
+                delta, stop_str = "", None  # ended by EOS or a stop token id (the scheduler): no text for it
+            else:
+                delta, stop_str = detok.update(req.output_token_ids[-1], check_stop=check)
             req.pending_text += delta
             if stop_str is not None:
                 if not req.is_finished:
@@ -59,7 +69,7 @@ class OutputProcessor:
                     req.stop_reason = stop_str
                 # finished by EOS or a stop token on this very token: the token-level stop stays
             elif req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                req.pending_text += detok.flush()
+                req.pending_text += detok.flush(check_stop=check)
         return stopped
 
     @staticmethod
@@ -70,8 +80,10 @@ class OutputProcessor:
         for seq in seqs:
             delta, seq.pending_text = seq.pending_text, ""
             seq.output_text += delta
-            completions.append(CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), delta,
-                                                seq.status.finish_reason, seq.stop_reason))
+            tokens = list(seq.output_token_ids)
+            logprobs = seq.output_logprobs[:len(tokens)] if seq.sampling_params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.index, seq.output_text, tokens, delta,
+                                                seq.status.finish_reason, seq.stop_reason, logprobs))
         first = seqs[0]
         return RequestOutput(
             request_id=req.group_id,

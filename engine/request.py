@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_N = 16  # most parallel completions of one request
+MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are signed 64-bit integers (as OpenAI's and vLLM's)
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +62,20 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the completion (the token is kept in ``token_ids``).
         ignore_eos: keep generating after EOS (benchmarks).
         skip_special_tokens: drop special tokens from the text.
+        presence_penalty / frequency_penalty: in [-2, 2], OpenAI's meanings (vLLM's): the logit of every
+            token already in the *output* is lowered by ``presence_penalty`` once and by ``frequency_penalty``
+            per occurrence.
+        min_tokens: the end-of-sequence token and ``stop_token_ids`` cannot be sampled (their logits are
+            -inf) and stop strings are not looked for until this many tokens exist (vLLM's rule).
+        logprobs: None (off) or how many top alternatives (0..``MAX_LOGPROBS``) to return with the logprob
+            of every sampled token. Logprobs are those of the raw model output (log-softmax of the logits
+            before penalties, biases, temperature and truncation: vLLM's default ``raw_logprobs``).
+        logit_bias: token id -> value in [-100, 100] added to its logit before sampling (OpenAI's).
+        allowed_token_ids: when set, only these token ids can be sampled (vLLM's).
+        include_stop_str_in_output: keep the matched stop string, or the text of the EOS / stop token, in
+            the text (vLLM's); by default they are left out.
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last ``max_model_len``), as
+            vLLM does; None keeps the whole prompt.
 
     Raises:
         ValueError: from :meth:`validate` when a value is out of range.
@@ -77,6 +93,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,12 +131,77 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in the signed 64-bit range [{SEED_MIN}, {SEED_MAX}], "
+                             f"got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers")
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not (isinstance(v, (int, float)) and -100.0 <= v <= 100.0):
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int)
+            or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
+        ):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}")
+
+    def needs_logits_processing(self, num_output_tokens: int) -> bool:
+        """True when sampling the next token after ``num_output_tokens`` must change the logits before the
+        argmax / draw for reasons other than the repetition penalty: logit bias, allowed token ids,
+        presence / frequency penalties, or min_tokens not reached yet."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.presence_penalty
+                    or self.frequency_penalty or num_output_tokens < self.min_tokens)
+
+
+@dataclass
+class ChatPrompt:
+    """A chat to render with the model's chat template, and how (the flags of vLLM's chat endpoint).
+
+    Attributes:
+        messages: ``{"role", "content"}`` dicts of strings.
+        add_generation_prompt: end with the header that opens a new assistant turn.
+        continue_final_message: leave the last message open (no end-of-turn token after it), so the model
+            continues it (transformers' ``apply_chat_template(..., continue_final_message=True)``); not
+            together with ``add_generation_prompt``.
+        add_special_tokens: let the tokenizer add its special tokens (BOS...) on top of the template's.
+        chat_template_kwargs: extra variables for the template.
+    """
+
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class TextPrompt:
+    """A plain text prompt and whether the tokenizer adds its special tokens (BOS...) to it (default yes,
+    as a plain string prompt)."""
+
+    text: str
+    add_special_tokens: bool = True
 
 
 class Request:
@@ -165,6 +254,9 @@ class Request:
         self.finish_time: float | None = None
         # per-request state owned by other components
         self.generator = None  # torch.Generator for seeded sampling (sampler)
+        # with sampling_params.logprobs: one (token id, logprob, [(top id, logprob), ...]) per output token,
+        # written by the sampler when it picks the token (position = its index in output_token_ids)
+        self.output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.detokenizer = None  # IncrementalDetokenizer (engine core)
         self.output_text = ""  # text emitted so far (stop strings removed)
         self.pending_text = ""  # text produced since the last RequestOutput
@@ -224,6 +316,9 @@ class CompletionOutput:
         token_ids: generated token ids so far.
         delta: text new since the previous output of this request (streaming).
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None while running.
+        stop_reason: the stop string or stop token id that ended it (None for EOS, length, ...).
+        logprobs: when the request asked for them, one ``(token_id, logprob, top)`` per token of
+            ``token_ids`` (``top``: the best ``(token_id, logprob)`` pairs, most likely first), else None.
     """
 
     index: int
@@ -232,6 +327,7 @@ class CompletionOutput:
     delta: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""Logits -> next token per request: greedy, temperature, top-k, top-p, min-p, repetition penalty and
-per-request seeded generators.
+"""Logits -> next token per request: greedy, temperature, top-k, top-p, min-p, repetition / presence /
+frequency penalties, logit bias, allowed token ids, min_tokens, per-request seeded generators, and the
+logprobs of the sampled tokens.
 
-Order of the steps (vLLM v1's ``Sampler``: penalties, temperature, min-p, then top-k / top-p):
+Order of the steps (vLLM v1's ``Sampler``: logprobs of the raw logits, logits processors, penalties,
+temperature, min-p, then top-k / top-p):
 
-1. repetition penalty on every row that asks for it (greedy rows too: it changes the argmax);
+0. rows that asked for logprobs: log-softmax of the raw logits (float32), kept for the end;
+1. logits processors (rows that use them): allowed token ids, min_tokens (EOS and stop token ids masked
+   while fewer than ``min_tokens`` tokens exist), logit bias, presence / frequency penalties; then the
+   repetition penalty on every row that asks for it (greedy rows too: they change the argmax);
 2. greedy rows (``temperature < 1e-5``, as vLLM's ``_SAMPLING_EPS``) take the argmax and stop there;
 3. random rows: divide by the temperature, drop tokens below ``min_p`` x the top probability, keep the
    ``top_k`` best, keep the top-p nucleus of what is left, draw one token by inverse-CDF sampling with
@@ -66,13 +71,19 @@ class Sampler:
       set the cumulative sum is float64. A zero-probability token can never be chosen.
 
     Per-request generators: a request with ``sampling_params.seed`` gets a CPU ``torch.Generator``
-    seeded with it the first time it is sampled, kept in ``request.generator``; each sampling step of a
+    whose state comes from all 64 bits of the seed (:func:`seeded_generator`; ``manual_seed`` would keep
+    32) the first time it is sampled, kept in ``request.generator``; each sampling step of a
     random request draws exactly one number from it, so its tokens depend only on its own logits and its
     seed, never on the other rows or on its row index (up to float rounding differences in the logits
     themselves). An unseeded random request also gets its own generator, seeded from this sampler's
     ``random.Random(seed)``: a whole run is reproducible when the sampler is built with a seed.
     Greedy requests never get a generator. The generators live on the CPU whatever the logits' device:
     the uniforms are moved to the device in one transfer.
+
+    Logprobs (``sampling_params.logprobs`` not None): the sampled token's logprob and the top
+    ``logprobs`` ``(token id, logprob)`` pairs from the log-softmax of the *raw* logits (before any
+    processor, penalty, temperature or truncation: vLLM's default ``raw_logprobs``), appended to
+    ``request.output_logprobs`` at the index the token takes in ``output_token_ids``.
     """
 
     def __init__(self, seed: int | None = None, top_p_candidates: int = 64) -> None:
@@ -119,21 +130,32 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        processed = [i for i, (r, p) in enumerate(zip(requests, params))
+                     if p.needs_logits_processing(len(r.output_token_ids))]
         x = logits.float()
-        if not penalised and all(greedy):
+        # logprobs of the raw model output (vLLM's default), before anything below changes the logits
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            sel = x if len(lp_rows) == n else x.index_select(0, torch.tensor(lp_rows, device=x.device))
+            raw_logprobs = torch.log_softmax(sel, dim=-1)
+        if not penalised and not processed and all(greedy):
             # the fast path: one argmax, one transfer
-            return x.argmax(dim=-1).tolist()
+            return self._with_logprobs(x.argmax(dim=-1).tolist(), raw_logprobs, lp_rows, requests)
 
-        if penalised:
+        if penalised or processed:
             if x is logits:
                 x = x.clone(memory_format=torch.contiguous_format)
             elif not x.is_contiguous():
                 x = x.contiguous()
-            self._apply_repetition_penalty(x, [requests[i] for i in penalised], penalised)
+            if processed:
+                self._apply_processors(x, [requests[i] for i in processed], processed)
+            if penalised:
+                self._apply_repetition_penalty(x, [requests[i] for i in penalised], penalised)
 
         random_rows = [i for i, g in enumerate(greedy) if not g]
         if not random_rows:
-            return x.argmax(dim=-1).tolist()
+            return self._with_logprobs(x.argmax(dim=-1).tolist(), raw_logprobs, lp_rows, requests)
         out: list[int] = [0] * n
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         if greedy_rows:
@@ -151,7 +173,67 @@ class Sampler:
         tokens = self._sample_random(xr, rp, u)
         for i, t in zip(random_rows, tokens):
             out[i] = t
-        return out
+        return self._with_logprobs(out, raw_logprobs, lp_rows, requests)
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _with_logprobs(tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[int],
+                       requests: Sequence[Request]) -> list[int]:
+        """Record, on each request of ``rows`` (those asking for logprobs), the sampled token's logprob and
+        the top ``sampling_params.logprobs`` alternatives from ``raw_logprobs`` (``[len(rows), vocab]``),
+        at the position the token will take in ``output_token_ids``. Returns ``tokens``."""
+        if raw_logprobs is None:
+            return tokens
+        device = raw_logprobs.device
+        chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.int64, device=device)
+        chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+        ks = [requests[i].sampling_params.logprobs for i in rows]
+        kmax = min(max(ks), raw_logprobs.shape[1])
+        top_vals: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if kmax > 0:
+            vals, ids = raw_logprobs.topk(kmax, dim=-1, sorted=True)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            req = requests[i]
+            k = ks[j]
+            pos = len(req.output_token_ids)
+            del req.output_logprobs[pos:]  # a row sampled again after a failed step overwrites its entry
+            req.output_logprobs.append((tokens[i], chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k]))))
+        return tokens
+
+    # ------------------------------------------------------------------ logits processors
+    def _apply_processors(self, x: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """In place on ``x`` (float32, contiguous, owned), in vLLM v1's order: allowed token ids, min_tokens
+        (EOS and stop token ids at -inf while fewer than ``min_tokens`` tokens exist), logit bias, then the
+        presence / frequency penalties over the output tokens (OpenAI's formula:
+        ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``)."""
+        vocab = x.shape[1]
+        device = x.device
+        for row, req in zip(rows, requests):
+            sp = req.sampling_params
+            xr = x[row]
+            if sp.allowed_token_ids is not None:
+                keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+                keep[torch.tensor([t for t in sp.allowed_token_ids if t < vocab], dtype=torch.int64,
+                                  device=device)] = True
+                xr.masked_fill_(~keep, -math.inf)
+            if len(req.output_token_ids) < sp.min_tokens:
+                stops = set(sp.stop_token_ids)
+                if not sp.ignore_eos:
+                    stops |= set(req.eos_token_ids)
+                banned = [t for t in stops if 0 <= t < vocab]
+                if banned:
+                    xr[torch.tensor(banned, dtype=torch.int64, device=device)] = -math.inf
+            if sp.logit_bias:
+                ids = [t for t in sp.logit_bias if t < vocab]
+                if ids:
+                    bias = torch.tensor([float(sp.logit_bias[t]) for t in ids], dtype=torch.float32, device=device)
+                    xr.index_add_(0, torch.tensor(ids, dtype=torch.int64, device=device), bias)
+            if (sp.presence_penalty or sp.frequency_penalty) and req.output_token_ids:
+                out_ids = torch.tensor(req.output_token_ids, dtype=torch.int64).clamp_(0, vocab - 1).to(device)
+                counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(torch.float32)
+                xr.sub_(counts * float(sp.frequency_penalty) + (counts > 0).float() * float(sp.presence_penalty))
 
     # ------------------------------------------------------------------ generators
     def _uniform(self, request: Request) -> float:
@@ -160,9 +242,8 @@ class Sampler:
         if g is None:
             seed = request.sampling_params.seed
             if seed is None:
-                seed = self._seed_rng.getrandbits(63)
-            g = torch.Generator(device="cpu")
-            g.manual_seed(seed & _SEED_MASK)
+                seed = self._seed_rng.getrandbits(64)
+            g = seeded_generator(seed)
             request.generator = g
         return torch.rand((), dtype=torch.float64, generator=g).item()
 
@@ -300,6 +381,44 @@ class Sampler:
             rows = retry
             width = min(width * 16, vocab)
         return out
+
+
+# Layout of a CPU torch.Generator's state (``get_state()``, 5056 bytes): the initial seed (uint64) at 0, the
+# Mersenne Twister's ``left`` (int32) at 8, ``seeded`` (int32) at 12, ``next`` (uint64) at 16, then its 624
+# state words, each stored as a uint64, from byte 24. Checked on a template before use.
+_MT_STATE_WORDS = 624
+_MT_STATE_OFFSET = 24
+_CPU_STATE_BYTES = 5056
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` whose Mersenne Twister state depends on all 64 bits of ``seed``.
+
+    ``torch.Generator.manual_seed`` keeps only the low 32 bits (its MT19937 is seeded with a uint32), so
+    seeds 11 and 11 + 2**32 would give the same stream. Instead the 624-word state is Python's
+    ``random.Random(seed mod 2**64)`` state (MT19937 ``init_by_array`` over the seed's 32-bit words, which
+    uses every bit), written into the generator's state; the initial seed field keeps the 64-bit value.
+    Signed seeds are taken modulo 2**64 (distinct signed 64-bit seeds stay distinct). When the state
+    layout is not the expected one (another torch build), it falls back to ``manual_seed`` of a 64-bit
+    mix of the seed folded to 32 bits.
+    """
+    useed = int(seed) & _SEED_MASK
+    g = torch.Generator(device="cpu")
+    g.manual_seed(useed & 0xFFFFFFFF)
+    state = g.get_state()
+    words = state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_STATE_WORDS].view(torch.int64)
+    if (state.numel() != _CPU_STATE_BYTES or int(state[:8].view(torch.int64)) & _SEED_MASK != useed & 0xFFFFFFFF
+            or int(words[0]) != useed & 0xFFFFFFFF):
+        mixed = (useed * 0x9E3779B97F4A7C15) & _SEED_MASK
+        g.manual_seed((mixed ^ (mixed >> 32)) & 0xFFFFFFFF)
+        return g
+    mt = random.Random(useed).getstate()[1][:_MT_STATE_WORDS]
+    state = state.clone()
+    state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_STATE_WORDS].view(torch.int64).copy_(
+        torch.tensor(mt, dtype=torch.int64))
+    state[:8].view(torch.int64).fill_(useed - (1 << 64) if useed >= 1 << 63 else useed)
+    g.set_state(state)
+    return g
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

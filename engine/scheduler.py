@@ -269,12 +269,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if not sp.ignore_eos and tok in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if tok in sp.stop_token_ids:
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
+        # before min_tokens tokens exist, EOS and stop token ids do not stop (the sampler masks them too)
+        if len(req.output_token_ids) >= sp.min_tokens:
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -13,6 +13,9 @@ Every request is checked before the engine allocates anything (bad JSON or messa
 prompt over the context length, sampling values out of range, ``n`` over ``MAX_N`` or the batch slots,
 an unknown model; see :mod:`server.protocol`): a 4xx with an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``.
+Every field of OpenAI's and vLLM's requests is honoured or refused with a 400 naming it
+(:func:`server.protocol.check_refused`); response bodies, logprobs included, are built by
+:mod:`server.responses` and :mod:`server.logprobs`.
 A full engine (its ``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past
 its rate limit (:mod:`server.ratelimit`).
 A client that goes away, streaming or not, aborts its engine request at the next engine step, so its
@@ -37,20 +40,27 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineOverloadedError
-from engine.request import RequestOutput, SamplingParams
+from engine.request import ChatPrompt, RequestOutput, SamplingParams, TextPrompt
+from server.logprobs import TokenText
 from server.metrics import EngineMetrics
 from server.protocol import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETIONS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    chat_logprobs_count,
     chat_messages,
+    check_common,
+    check_refused,
     check_unicode,
     completion_prompt,
     param_of,
     sampling_params_from,
 )
 from server.ratelimit import ClientRateLimiter
+from server.responses import ChatResponder, CompletionResponder, ResponseOptions
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +106,6 @@ async def until_disconnected(request: Request, awaitable: Awaitable) -> Any:
 # ---------------------------------------------------------------------------------------------- app
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _error_of(out: RequestOutput) -> str | None:
@@ -181,19 +186,17 @@ class OpenAIServer:
         finally:
             await agen.aclose()
 
-    def stream(self, agen, first: RequestOutput, rid: str, chunk_of, include_usage: bool,
-               opening_of=None) -> StreamingResponse:
-        """Server-sent events from the engine's outputs. ``chunk_of(completion, delta, finish_reason)``
-        builds the chunk of one choice; ``opening_of(index)`` (the chat role chunk) is sent first for each
-        choice. Each choice's finish reason is sent once, with its last text; a failed request ends with
-        an ``{"error": ...}`` event. Leaving early (client gone) aborts the request."""
+    def stream(self, agen, first: RequestOutput, rid: str, responder, include_usage: bool) -> StreamingResponse:
+        """Server-sent events from the engine's outputs. ``responder`` (:mod:`server.responses`) builds the
+        opening chunks (chat: each choice's role) and then each choice's chunk of new text and tokens.
+        Each choice's finish reason is sent once, with its last text; a failed request ends with an
+        ``{"error": ...}`` event. Leaving early (client gone) aborts the request."""
         state = {"finished": False}
 
         async def events():
             try:
-                if opening_of is not None:
-                    for c in first.outputs:
-                        yield _sse(opening_of(c.index))
+                for chunk in responder.opening(first):
+                    yield _sse(chunk)
                 out, ended = first, set()
                 while True:
                     error = _error_of(out)
@@ -203,13 +206,14 @@ class OpenAIServer:
                     for c in out.outputs:
                         if c.index in ended:
                             continue
-                        if c.delta or c.finish_reason is not None:
-                            yield _sse(chunk_of(c, c.delta, c.finish_reason))
+                        chunk = responder.chunk(c)
+                        if chunk is not None:
+                            yield _sse(chunk)
                         if c.finish_reason is not None:
                             ended.add(c.index)
                     if out.finished:
                         if include_usage:
-                            yield _sse(chunk_of(out.outputs[0], None, None) | {"choices": [], "usage": _usage(out)})
+                            yield _sse(responder.usage_chunk(out))
                         break
                     out = await agen.__anext__()
                 state["finished"] = True
@@ -231,98 +235,86 @@ class OpenAIServer:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -------------------------------------------------------------- endpoints
+    def _options(self, request: Request, body: SamplingFields, prefix: str, logprobs: int | None,
+                 echo: str = "") -> ResponseOptions:
+        """The response's id (vLLM's: ``X-Request-Id`` header, else ``request_id``, else random), and what
+        the body asked of the response."""
+        own = f"{prefix}-{uuid.uuid4().hex}"
+        given = request.headers.get("x-request-id") or body.request_id
+        base = {"id": f"{prefix}-{given}" if given else own, "created": int(time.time()), "model": self.model_name}
+        so = body.stream_options
+        return ResponseOptions(base, own, TokenText.of(self.engine.tokenizer), logprobs,
+                               as_ids=bool(body.return_tokens_as_token_ids), token_ids=bool(body.return_token_ids),
+                               echo=echo, include_usage=bool(body.stream and so and so.include_usage),
+                               continuous_usage=bool(body.stream and so and so.include_usage
+                                                     and so.continuous_usage_stats))
+
+    async def _respond(self, request: Request, body: SamplingFields, prompt, params: SamplingParams,
+                       prompt_param: str, responder) -> Response:
+        """Run the request; stream the responder's chunks or answer its whole body."""
+        rid = responder.o.engine_id
+        agen, first = await self.start(request, prompt, params, rid, prompt_param, body.cache_salt)
+        if body.stream:
+            return self.stream(agen, first, rid, responder, responder.o.include_usage)
+        final = await self.complete(request, agen, first)
+        error = _error_of(final)
+        if error is not None:
+            raise APIError(500, error, type="internal_error", code=500)
+        responder.opening(final)
+        return JSONResponse(responder.response(final))
+
+    def _invalid(self, e: APIError) -> APIError:
+        if e.status == 400:
+            self.metrics.reject("invalid")
+        return e
+
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         """``POST /v1/chat/completions``."""
         try:
             self.admit(request, body)
             messages = chat_messages(body.messages)
-            for name in ("tools", "logprobs", "top_logprobs"):
-                if getattr(body, name):
-                    raise APIError(400, f"{name} is not supported by this server", param=name)
-            if body.response_format and body.response_format.get("type", "text") != "text":
-                raise APIError(400, "response_format other than text is not supported", param="response_format")
-            params = sampling_params_from(body, default_max_tokens=None)
+            check_refused(body, REFUSED_CHAT)
+            check_common(body)
+            cont = bool(body.continue_final_message)
+            if cont and body.add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                               "(send add_generation_prompt: false)", param="continue_final_message")
+            add_gen = (not cont) if body.add_generation_prompt is None else bool(body.add_generation_prompt)
+            logprobs = chat_logprobs_count(body)
+            params = sampling_params_from(body, default_max_tokens=None, logprobs=logprobs,
+                                          logprobs_param="top_logprobs")
         except APIError as e:
-            if e.status == 400:
-                self.metrics.reject("invalid")
-            raise
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        agen, first = await self.start(request, messages, params, rid, "messages", body.cache_salt)
-        created = int(time.time())
-        base = {"id": rid, "created": created, "model": self.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            def chunk(c, delta, finish_reason, message=None):
-                ch = {"index": c if isinstance(c, int) else c.index,
-                      "delta": message if message is not None else ({"content": delta} if delta else {}),
-                      "logprobs": None, "finish_reason": finish_reason}
-                if finish_reason is not None:
-                    ch["stop_reason"] = c.stop_reason
-                out = base | {"object": "chat.completion.chunk", "system_fingerprint": None, "choices": [ch]}
-                if include_usage:
-                    out["usage"] = None
-                return out
-
-            def opening(index):
-                return chunk(index, None, None, message={"role": "assistant", "content": ""})
-
-            return self.stream(agen, first, rid, chunk, include_usage, opening)
-        final = await self.complete(request, agen, first)
-        error = _error_of(final)
-        if error is not None:
-            raise APIError(500, error, type="internal_error", code=500)
-        return JSONResponse(base | {
-            "object": "chat.completion", "system_fingerprint": None,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                        for c in final.outputs],
-            "usage": _usage(final),
-        })
+            raise self._invalid(e) from None
+        role = "assistant" if add_gen else messages[-1]["role"]  # vLLM's rule
+        last = messages[-1]
+        echo = last["content"] if body.echo and last["role"] == role else ""
+        prompt = ChatPrompt(messages, add_generation_prompt=add_gen, continue_final_message=cont,
+                            add_special_tokens=bool(body.add_special_tokens),
+                            chat_template_kwargs=body.chat_template_kwargs)
+        responder = ChatResponder(self._options(request, body, "chatcmpl", logprobs, echo), role)
+        return await self._respond(request, body, prompt, params, "messages", responder)
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         """``POST /v1/completions``."""
         try:
             self.admit(request, body)
             prompt = completion_prompt(body.prompt)
-            if body.echo:
-                raise APIError(400, "echo is not supported by this server", param="echo")
-            if body.logprobs:
-                raise APIError(400, "logprobs is not supported by this server", param="logprobs")
-            if body.suffix:
-                raise APIError(400, "suffix is not supported by this server", param="suffix")
-            if body.best_of not in (None, 1):
-                raise APIError(400, f"best_of too large: only 1 is supported, got {body.best_of}", param="best_of")
-            params = sampling_params_from(body, default_max_tokens=16)  # OpenAI's default for completions
+            check_refused(body, REFUSED_COMPLETIONS)
+            check_common(body)
+            if body.echo and body.logprobs is not None:
+                raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported",
+                               param="echo")
+            params = sampling_params_from(body, default_max_tokens=16, logprobs=body.logprobs)  # OpenAI's 16
         except APIError as e:
-            if e.status == 400:
-                self.metrics.reject("invalid")
-            raise
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        agen, first = await self.start(request, prompt, params, rid, "prompt", body.cache_salt)
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            def chunk(c, delta, finish_reason):
-                ch = {"index": c.index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
-                if finish_reason is not None:
-                    ch["stop_reason"] = c.stop_reason
-                out = base | {"choices": [ch]}
-                if include_usage:
-                    out["usage"] = None
-                return out
-
-            return self.stream(agen, first, rid, chunk, include_usage)
-        final = await self.complete(request, agen, first)
-        error = _error_of(final)
-        if error is not None:
-            raise APIError(500, error, type="internal_error", code=500)
-        return JSONResponse(base | {
-            "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason} for c in final.outputs],
-            "usage": _usage(final),
-        })
+            raise self._invalid(e) from None
+        echo = ""
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        if isinstance(prompt, str) and body.add_special_tokens is not None:
+            prompt = TextPrompt(prompt, add_special_tokens=bool(body.add_special_tokens))
+        responder = CompletionResponder(self._options(request, body, "cmpl", body.logprobs, echo))
+        responder.o.base["object"] = "text_completion"
+        return await self._respond(request, body, prompt, params, "prompt", responder)
 
     def model_card(self) -> dict:
         """The served model as ``/v1/models`` lists it."""

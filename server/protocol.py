@@ -7,6 +7,8 @@ checks that turn a request body into engine inputs before the engine allocates a
 - :func:`sampling_params_from`, :func:`chat_messages`, :func:`completion_prompt`: checks and mapping to
   :class:`SamplingParams`, chat messages and prompts; each raises a 400 :class:`APIError` naming the
   bad field.
+- :func:`check_refused`: a 400 naming any field this server does not implement, when it is set to
+  anything but its no-op value (:data:`REFUSED_COMMON`, :data:`REFUSED_CHAT`, :data:`REFUSED_COMPLETIONS`).
 - :func:`check_unicode`: a 400 for a string that is not valid Unicode (a lone surrogate).
 - :func:`param_of`: the request field an engine ``ValueError`` is about.
 """
@@ -19,7 +21,7 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from engine.request import MAX_N, SamplingParams
+from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
 
@@ -65,7 +67,9 @@ def check_unicode(value, path: str = "body") -> None:
 
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
-                "stop", "stop_token_ids")
+                "stop", "stop_token_ids", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty",
+                "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "continue_final_message",
+                "chat_template_kwargs")
 
 
 def param_of(message: str, prompt_param: str) -> tuple[str | None, str | None]:
@@ -88,6 +92,7 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk, with include_usage
 
 
 class SamplingFields(BaseModel):
@@ -107,6 +112,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    response_format: dict | None = None
     # vLLM's extra fields (``extra_body`` in the openai client)
     top_k: int | None = None
     min_p: float | None = None
@@ -115,6 +123,14 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     cache_salt: str | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -124,35 +140,120 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    # vLLM's chat rendering fields
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: Any = None  # a string, token ids, or a list holding one of those
-    echo: bool | None = None
     logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
 
 
-def sampling_params_from(body: SamplingFields, default_max_tokens: int | None) -> SamplingParams:
+# ---------------------------------------------------------------------------------------------- refused fields
+_STRUCTURED = "structured outputs (guided decoding, JSON schemas, grammars) are not supported"
+# field -> (values that leave it unused, why any other value is refused). A field of OpenAI's or vLLM's
+# request that is neither implemented nor listed here nor harmless (no effect on the output) must be added.
+REFUSED_COMMON: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search only, which is not supported"),
+    "early_stopping": ((None, False), "early_stopping applies to beam search only, which is not supported"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not supported: the engine computes the logits of the "
+                                 "last prompt position only"),
+    "logprob_token_ids": ((None,), "logprob_token_ids is not supported (use logprobs)"),
+    "bad_words": ((None, []), "bad_words is not supported (use logit_bias or allowed_token_ids)"),
+    "structured_outputs": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "structural_tag": ((None,), _STRUCTURED),
+    "guided_decoding_backend": ((None,), _STRUCTURED),
+    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "priority": ((None, 0), "priority scheduling is not enabled: requests are served first come, first served"),
+    "truncation_side": ((None, "left"), "only truncation_side 'left' (keep the last prompt tokens) is supported"),
+    "kv_transfer_params": ((None, {}), "disaggregated serving (KV transfer) is not supported"),
+    "ec_transfer_params": ((None, {}), "disaggregated serving (encoder-cache transfer) is not supported"),
+    "vllm_xargs": ((None, {}), "vllm_xargs (custom extensions) is not supported"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs are not supported"),
+    "media_io_kwargs": ((None, {}), "multimodal inputs are not supported"),
+    "thinking_token_budget": ((None,), "this model does not reason: thinking_token_budget is not supported"),
+    "repetition_detection": ((None,), "repetition_detection is not supported"),
+    "watermarking": ((None, False), "watermarking is not supported"),
+    "lora_request": ((None,), "LoRA adapters are not supported"),
+}
+REFUSED_CHAT: dict[str, tuple[tuple, str]] = {
+    "tools": ((None,), "tool calling is not supported by this server"),
+    "tool_choice": ((None, "none"), "tool calling is not supported by this server"),
+    "functions": ((None,), "function calling is not supported by this server"),
+    "function_call": ((None, "none"), "function calling is not supported by this server"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "reasoning_effort": ((None,), "this model does not reason: reasoning_effort is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "documents": ((None, []), "documents (RAG templates) are not supported by this model's chat template"),
+    "chat_template": ((None,), "a chat template sent with the request is not trusted (vLLM's default without "
+                               "--trust-request-chat-template); the model's own template is used"),
+}
+REFUSED_COMPLETIONS: dict[str, tuple[tuple, str]] = {
+    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported by this model"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported"),
+}
+
+
+def check_refused(body: BaseModel, *tables: dict[str, tuple[tuple, str]]) -> None:
+    """Raise a 400 :class:`APIError` naming the first field of ``tables`` set to a value that uses it."""
+    for table in tables:
+        for name, (unused, why) in table.items():
+            value = getattr(body, name, None)
+            if value is not None and not any(type(value) is type(u) and value == u for u in unused):
+                raise APIError(400, f"{name}: {why}", param=name)
+
+
+def check_common(body: SamplingFields) -> None:
+    """Checks of fields both endpoints share that :class:`SamplingParams` cannot make: ``stream_options``
+    without ``stream``, ``response_format``, ``best_of``, the refused fields.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    check_refused(body, REFUSED_COMMON)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
+    rf = body.response_format
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type", "text") != "text"):
+        raise APIError(400, f"response_format: {_STRUCTURED}; only {{\"type\": \"text\"}} is accepted",
+                       param="response_format")
+    n = 1 if body.n is None else body.n
+    if body.best_of is not None and body.best_of not in (1, n):
+        raise APIError(400, f"best_of other than n is not supported (no ranking of extra samples), got "
+                       f"best_of={body.best_of}", param="best_of")
+
+
+def sampling_params_from(body: SamplingFields, default_max_tokens: int | None, logprobs: int | None = None,
+                         logprobs_param: str = "logprobs") -> SamplingParams:
     """Map an OpenAI request body to :class:`SamplingParams` (vLLM's mapping).
 
     ``temperature`` defaults to 1.0 and ``top_p`` to 1.0 (OpenAI's defaults); ``max_completion_tokens``
     wins over ``max_tokens``; ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-    ``ignore_eos`` and ``skip_special_tokens`` are vLLM's extra fields.
+    ``ignore_eos``, ``skip_special_tokens``, ``min_tokens``, ``include_stop_str_in_output``,
+    ``allowed_token_ids`` and ``truncate_prompt_tokens`` are vLLM's extra fields. ``logprobs`` is the
+    number of top logprobs per token (None: none), from the endpoint's own fields (``logprobs_param``).
 
     Raises:
-        APIError: 400 for an unsupported field or a value out of range.
+        APIError: 400 for a value out of range.
     """
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by this server (use repetition_penalty)", param=name)
+    bias = None
     if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+        try:
+            bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
     max_tokens = getattr(body, "max_completion_tokens", None)
     max_name = "max_completion_tokens"
     if max_tokens is None:
@@ -172,6 +273,14 @@ def sampling_params_from(body: SamplingFields, default_max_tokens: int | None) -
         stop_token_ids=body.stop_token_ids,
         ignore_eos=bool(body.ignore_eos),
         skip_special_tokens=body.skip_special_tokens is not False,
+        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        min_tokens=0 if body.min_tokens is None else body.min_tokens,
+        logprobs=logprobs,
+        logit_bias=bias,
+        allowed_token_ids=body.allowed_token_ids,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
     if isinstance(params.n, int) and params.n > MAX_N:
         raise APIError(400, f"n too large: at most {MAX_N} completions per request, got n={params.n}", param="n")
@@ -182,6 +291,8 @@ def sampling_params_from(body: SamplingFields, default_max_tokens: int | None) -
         param, _ = param_of(msg, "prompt")
         if param == "max_tokens":
             param = max_name
+        elif param == "logprobs":
+            param = logprobs_param
         raise APIError(400, msg, param=param) from None
     return params
 
@@ -189,8 +300,9 @@ def sampling_params_from(body: SamplingFields, default_max_tokens: int | None) -
 def chat_messages(raw: Any) -> list[dict[str, str]]:
     """Check and normalise OpenAI chat messages to ``{"role", "content"}`` dicts of strings.
 
-    ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts; ``developer`` is
-    taken as ``system``.
+    ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts, joined with a
+    newline (vLLM's convention); a part of another type (image, audio, file) is refused. ``developer`` is
+    taken as ``system``; a string ``name`` is passed to the template.
 
     Raises:
         APIError: 400 naming the first bad message.
@@ -214,15 +326,42 @@ def chat_messages(raw: Any) -> list[dict[str, str]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise APIError(400, f"{where}.content[{j}]: only text parts are supported",
-                                   param=f"{where}.content")
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    what = f"parts of type {kind!r} are" if isinstance(kind, str) else "this part is"
+                    raise APIError(400, f"{where}.content[{j}]: {what} not supported; only text parts "
+                                   "({\"type\": \"text\", \"text\": ...}) are", param=f"{where}.content")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}.content[{j}].text must be a string", param=f"{where}.content")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        if m.get("tool_calls"):
+            raise APIError(400, f"{where}.tool_calls: tool calling is not supported by this server",
+                           param=f"{where}.tool_calls")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
     return out
+
+
+def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
+    """How many top logprobs a chat request asks for per token (``logprobs`` + ``top_logprobs``), or None.
+
+    Raises:
+        APIError: 400 naming ``top_logprobs`` when it is out of [0, MAX_LOGPROBS] or given without
+            ``logprobs: true``.
+    """
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if not body.logprobs:
+        if top:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def completion_prompt(raw: Any) -> str | list[int]:

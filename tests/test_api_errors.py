@@ -52,8 +52,8 @@ BAD = [
     ("chat", {"messages": CHAT, "n": 1000}, 400, "n", "n too large"),
     ("chat", {"messages": CHAT, "n": 9}, 400, "n", "batch slots"),  # 8 slots in the test engine
     ("chat", {"messages": CHAT, "stop": [""]}, 400, "stop", "stop"),
-    ("chat", {"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    ("chat", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("chat", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", "[-2, 2]"),
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "top_logprobs"),
     ("chat", {"model": "gpt-17", "messages": CHAT}, 404, "model", "gpt-17"),
     ("completions", {"prompt": ""}, 400, "prompt", "empty"),
     ("completions", {"prompt": []}, 400, "prompt", "empty"),
@@ -62,7 +62,7 @@ BAD = [
     ("completions", {"prompt": [1, -5]}, 400, "prompt", "token ids"),
     ("completions", {"prompt": LONG}, 400, "prompt", "1024"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", ">= 0"),
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
     ("completions", {"model": "nope", "prompt": "hi"}, 404, "model", "nope"),
 ]
 
