@@ -5,7 +5,7 @@
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (server-sent events) or not; the
   official ``openai`` client works unchanged. ``usage`` is in every non-streamed response and, with
   ``stream_options: {"include_usage": true}``, in a last chunk with no choices (as OpenAI does).
-- ``GET /v1/models``, ``GET /health`` (200 while the engine thread runs, else 503) and ``GET /metrics``
+- ``GET /v1/models``, ``GET /health`` (200 with ``step`` and ``paused`` while the engine thread runs, else 503) and ``GET /metrics``
   (Prometheus text format, vLLM's metric meanings, ``cbp:`` instead of ``vllm:``; see
   :mod:`server.metrics`).
 
@@ -411,9 +411,11 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
 
     @app.get("/health")
     async def health():
-        """200 while the engine thread runs, 503 otherwise."""
+        """200 while the engine thread runs (with the engine's step counter and whether it is paused), 503
+        otherwise."""
         if engine.healthy:
-            return {"status": "ok", "model": model_name, "running": engine.num_pending}
+            return {"status": "ok", "model": model_name, "running": engine.num_pending, "step": engine.step_count,
+                    "paused": engine.paused}
         return JSONResponse({"status": "unavailable", "detail": "the engine thread is not running"}, status_code=503)
 
     @app.get("/metrics")

@@ -37,6 +37,12 @@ def test_models_and_health(api):
     assert api.http.get("/v1/models/other").status_code == 404
     health = api.http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["paused"] is False and isinstance(health.json()["step"], int)
+    api.engine.pause()
+    try:
+        assert api.http.get("/health").json()["paused"] is True
+    finally:
+        api.engine.resume()
 
 
 def test_chat_streaming_equals_non_streaming_with_usage(api):
