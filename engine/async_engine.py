@@ -47,6 +47,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
+        self._in_core: set[str] = set()  # ids handed to the core whose final output has not come back
+        self._pace = threading.Event()  # set by pause/resume/speed changes/aborts: ends a slow-motion wait
         self._paused = False
         self._single_steps = 0  # steps granted by step_once() while paused
         self._min_step_time = 0.0  # seconds; slow motion when > 0
@@ -104,6 +106,7 @@ class AsyncEngine:
         """Stop the stepping thread; waits at most ``timeout`` seconds."""
         self._stop.set()
         self._wake.set()
+        self._pace.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -134,9 +137,19 @@ class AsyncEngine:
                     self._single_steps -= 1
             for out in outputs:
                 self._deliver(out)
+            self._slow_motion_wait(t0)
+
+    def _slow_motion_wait(self, t0: float) -> None:
+        """Slow motion: wait until the step that started at ``t0`` has lasted the minimum step time.
+        A pause, a new speed or an abort ends the wait early, and aborts free their blocks at once."""
+        while not self._stop.is_set() and not self._paused:
             rest = self._min_step_time - (time.monotonic() - t0)
-            if rest > 0:
-                self._stop.wait(rest)
+            if rest <= 0:
+                return
+            if self._pace.wait(rest):
+                self._pace.clear()
+                for out in self.core.process_inbox():
+                    self._deliver(out)
 
     # ------------------------------------------------------------------ pacing (talk mode)
     @property
@@ -162,6 +175,7 @@ class AsyncEngine:
             self._single_steps = 0
         self.core.telemetry.paused = True
         self._wake.set()
+        self._pace.set()
 
     def resume(self) -> None:
         """Run steps again at the set pace."""
@@ -170,6 +184,7 @@ class AsyncEngine:
             self._single_steps = 0
         self.core.telemetry.paused = False
         self._wake.set()
+        self._pace.set()
 
     def step_once(self, steps: int = 1) -> None:
         """While paused, run exactly ``steps`` more engine steps (a step with nothing to do is spent);
@@ -194,12 +209,15 @@ class AsyncEngine:
         if not isinstance(seconds, (int, float)) or not 0.0 <= seconds <= 10.0:
             raise ValueError(f"the minimum step time must be in [0, 10] seconds, got {seconds!r}")
         self._min_step_time = float(seconds)
+        self._pace.set()
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         return self.core.fail_all(f"engine error: {exc!r}")
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
+            if out.finished:
+                self._in_core.discard(out.request_id)  # the core is done with this id: it may be used again
             entry = self._streams.get(out.request_id)
         if entry is None:
             return
@@ -234,17 +252,19 @@ class AsyncEngine:
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         rid = request_id or uuid.uuid4().hex
-        req = self.core.make_request(rid, prompt, params, cache_salt)
+        # validation tokenizes the prompt: in a worker thread, so a huge prompt never stalls other streams
+        req = await asyncio.to_thread(self.core.make_request, rid, prompt, params, cache_salt)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if rid in self._streams:
+            if rid in self._streams or rid in self._in_core:  # in use, or still being aborted in the core
                 raise ValueError(f"request id {rid!r} is already in use")
             if self.max_pending is not None and len(self._streams) >= self.max_pending:
                 raise EngineOverloadedError(
                     f"the engine is busy ({len(self._streams)} requests in flight, limit {self.max_pending}); retry later"
                 )
             self._streams[rid] = (loop, q)
+            self._in_core.add(rid)
         finished = False
         try:
             self.core.enqueue(req)
@@ -262,9 +282,11 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks go back within one step. Unknown ids are ignored."""
+        """Abort a request; its blocks go back within one step (at once while paused or between slow
+        steps). Unknown ids are ignored."""
         self.core.abort_request(request_id)
         self._wake.set()
+        self._pace.set()
 
     async def generate_text(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
         """Run a request to the end and return its final output."""

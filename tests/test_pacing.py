@@ -92,3 +92,45 @@ def test_slow_motion_sets_a_minimum_time_per_step(engine):
     out, elapsed = asyncio.run(main())
     assert len(out.token_ids) == 4 and elapsed >= 0.3  # four steps of at least 0.1 s (the last one's wait may follow)
     engine.set_min_step_time(0)
+
+
+def test_abort_during_a_slow_step_frees_blocks_at_once(engine):
+    engine.set_min_step_time(5.0)
+
+    async def main():
+        async for out in engine.generate("hold some blocks", SamplingParams(max_tokens=50, ignore_eos=True)):
+            if out.token_ids:
+                break  # leaving the stream aborts it, in the middle of a 5 s step
+        t = time.monotonic()
+        await _until(lambda: engine.core.stats().num_used_blocks == 0, timeout=2.0)
+        return time.monotonic() - t
+
+    try:
+        assert asyncio.run(main()) < 2.0
+    finally:
+        engine.set_min_step_time(0)
+
+
+def test_a_request_id_is_free_again_only_once_the_core_is_done_with_it(engine):
+    """Reusing an id right after its stream was left must not hand the old request's output to the new
+    caller: the id stays in use until the abort has gone through."""
+
+    async def main():
+        async for out in engine.generate("old prompt", SamplingParams(max_tokens=50, ignore_eos=True), request_id="x"):
+            if out.token_ids:
+                break
+        outs = []
+        for _ in range(200):  # at once: the old request's abort may not have gone through yet
+            try:
+                async for out in engine.generate("a new prompt", SamplingParams(max_tokens=3, ignore_eos=True),
+                                                 request_id="x"):
+                    outs.append(out)
+                break
+            except ValueError as e:
+                assert "already in use" in str(e)
+                await asyncio.sleep(0.01)
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs and outs[-1].finished and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 3
+    assert outs[-1].prompt == "a new prompt"
