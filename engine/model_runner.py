@@ -117,6 +117,13 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cpu":
+            # linear layers on oneDNN-prepacked weights where that is bit-identical and faster (bfloat16 on
+            # CPUs with AVX512-BF16); build or load the C++ attention kernel now, not at the first request
+            from kernels.cpu_linear import prepack_linears
+
+            self.num_prepacked_linears = prepack_linears(model)
+            kernels.cpp_available()
         self.block_size = block_size
         self.num_blocks = num_blocks
         layers, kvh, hd = kv_cache_shape(model.config)

@@ -9,48 +9,83 @@ Token position ``p`` of a request whose block table is ``block_ids`` lives in sl
 ``cache[s // block_size, :, s % block_size, :]``.
 
 Head-major was chosen over vLLM's ``[num_blocks, block_size, num_kv_heads, head_dim]`` because the CPU
-path's vectorised decode attention measured faster with it (see DESIGN.md and docs/performance.md).
+path's vectorised decode attention measured faster with it, and the C++ kernels read one KV head's
+``block_size x head_dim`` slice of a block as one contiguous tile (see docs/performance.md).
 
-Dispatch: CUDA tensors use the Triton kernels (``kernels.triton_ops``), CPU tensors use the torch path
-(``kernels.torch_ops``), which is also the test oracle. Set the environment variable
-``CBP_ATTENTION_BACKEND`` to ``torch`` or ``triton`` (or call :func:`set_backend`) to force one.
+Dispatch (backends):
+
+* ``"triton"``: CUDA tensors (``kernels.triton_ops``).
+* ``"cpp"``: CPU tensors, the fused C++ kernels (``kernels.cpu_ops``), compiled on first use and cached.
+  If the extension cannot be built (no compiler, build error), CPU calls fall back to ``"torch"``
+  after one warning naming the reason.
+* ``"torch"``: the torch path (``kernels.torch_ops``): the test oracle.
+
+Set the environment variable ``CBP_ATTENTION_BACKEND`` to ``torch``, ``cpp`` or ``triton`` (or call
+:func:`set_backend`) to force one for every call; a forced ``cpp`` that cannot be built raises.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from kernels import cpu_ops as _cpu_ops  # plain Python: the C++ is built on the first CPU call
 from kernels import torch_ops
 
+BACKENDS = ("torch", "cpp", "triton")
 _FORCED: str | None = os.environ.get("CBP_ATTENTION_BACKEND") or None
+_log = logging.getLogger(__name__)
+_cpp_ok: bool | None = None  # None: not tried yet in this process
 
 
 def set_backend(name: str | None) -> None:
-    """Force ``"torch"`` or ``"triton"`` for every call, or ``None`` for automatic dispatch.
+    """Force ``"torch"``, ``"cpp"`` or ``"triton"`` for every call, or ``None`` for automatic dispatch.
 
     Raises:
         ValueError: for any other name.
     """
     global _FORCED
-    if name not in (None, "torch", "triton"):
-        raise ValueError(f"unknown attention backend {name!r}; use 'torch', 'triton' or None")
+    if name not in (None, *BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r}; use 'torch', 'cpp', 'triton' or None")
     _FORCED = name
 
 
+def cpp_available() -> bool:
+    """Whether the C++ CPU kernels load (built on the first call; tried once per process). When they
+    do not, logs one warning with the reason."""
+    global _cpp_ok
+    if _cpp_ok is None:
+        _cpp_ok = _cpu_ops.available()
+        if not _cpp_ok:
+            _log.warning("CPU attention: C++ kernels unavailable (%s); using the torch path",
+                         _cpu_ops.unavailable_reason())
+    return _cpp_ok
+
+
 def backend_for(t: torch.Tensor) -> str:
-    """The backend that a call on tensor ``t`` would use: ``"triton"`` or ``"torch"``."""
+    """The backend that a call on tensor ``t`` would use: ``"triton"``, ``"cpp"`` or ``"torch"``.
+    On a CPU tensor this builds the C++ extension the first time (about a minute, then cached)."""
     if _FORCED is not None:
         return _FORCED
-    return "triton" if t.is_cuda else "torch"
+    if t.is_cuda:
+        return "triton"
+    if t.device.type == "cpu" and cpp_available():
+        return "cpp"
+    return "torch"
 
 
 def _impl(t: torch.Tensor):
-    if backend_for(t) == "triton":
+    if _FORCED is None and _cpp_ok and t.device.type == "cpu":  # the common CPU case, decided once
+        return _cpu_ops
+    name = backend_for(t)
+    if name == "triton":
         from kernels import triton_ops  # imported lazily: triton is optional on CPU-only machines
 
         return triton_ops
+    if name == "cpp":
+        return _cpu_ops  # when forced and unbuildable, its calls raise cpu_ops.BuildError
     return torch_ops
 
 

@@ -1,0 +1,205 @@
+"""Fused CPU kernels for the paged KV cache: a C++ extension (``kernels/csrc/paged_attention_cpu.cpp``)
+built with ``torch.utils.cpp_extension.load`` the first time it is needed, then cached.
+
+Same signatures and KV layout as :mod:`kernels.torch_ops` (``[num_blocks, num_kv_heads, block_size,
+head_dim]``). :func:`paged_attention` reads each K/V block in place through the block table (no gather
+copy), with an online (flash-attention style) softmax in float32, GQA query heads processed together
+per KV head, decode rows and causal prefill chunks in one call, parallel over (sequence, KV head, query
+tile) with OpenMP. See the C++ source for the tiling.
+
+Build: compiled with ``-O3 -march=native -fopenmp`` by the system C++ compiler (``$CXX`` or ``c++``) and
+ninja, into the torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) or ``$CBP_KERNEL_BUILD_DIR``. The extension name carries a tag of this
+CPU's vector features, so a cache directory shared by different CPUs never loads a binary built for
+another one. The first build takes about a minute; later processes load it in well under a second.
+
+:func:`load` returns the module or raises :class:`BuildError`; :func:`available` says whether it loads
+(and remembers the reason when it does not). ``kernels/__init__.py`` falls back to the torch path then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import torch_ops
+
+_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+_LDFLAGS = ["-fopenmp"]
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built or loaded; the message says why."""
+
+
+def _cpu_tag() -> str:
+    """A short tag of the CPU's vector features (the extension is compiled with -march=native)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line.split(":", 1)[1]
+                    break
+    except OSError:
+        pass
+    words = sorted(w for w in flags.split() if w.startswith(("avx", "sse", "fma", "f16c", "amx", "asimd", "sve")))
+    return hashlib.sha1(" ".join(words).encode()).hexdigest()[:8]
+
+
+def _ensure_ninja() -> None:
+    """torch's loader runs ``ninja``: make the pip-installed one (requirements.txt) visible on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def build_directory() -> str | None:
+    """``$CBP_KERNEL_BUILD_DIR`` if set (created if missing), else None (torch's default directory)."""
+    d = os.environ.get("CBP_KERNEL_BUILD_DIR")
+    if not d:
+        return None
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _build():
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"no C++ compiler found ({cxx!r} is not on PATH)")
+    _ensure_ninja()
+    if shutil.which("ninja") is None:
+        raise BuildError("ninja not found (pip install ninja)")
+    from torch.utils import cpp_extension
+
+    name = f"cbp_cpu_attention_{_cpu_tag()}"
+    build_dir = build_directory()
+    if build_dir is not None:
+        build_dir = os.path.join(build_dir, name)
+        os.makedirs(build_dir, exist_ok=True)
+    _log.info("CPU attention: loading %s (compiled on first use, about a minute; then cached)", name)
+    t0 = time.perf_counter()
+    try:
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(_SRC)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=build_dir,
+            verbose=bool(os.environ.get("CBP_KERNEL_BUILD_VERBOSE")),
+        )
+    except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / ImportError
+        msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        first = next((ln for ln in msg if "error:" in ln), None) or next(iter(msg), type(e).__name__)
+        raise BuildError(f"building {name} failed: {first[:300]}") from e
+    _log.info("CPU attention: %s ready in %.1f s (%s)", name, time.perf_counter() - t0, mod.isa())
+    return mod
+
+
+def load():
+    """The compiled extension (built on first use, then cached). Raises :class:`BuildError`."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            if _error is not None:
+                raise BuildError(_error)
+            try:
+                _module = _build()
+            except BuildError as e:
+                _error = str(e)
+                raise
+    return _module
+
+
+def available() -> bool:
+    """True when the extension builds/loads (tries once per process; see :func:`unavailable_reason`)."""
+    try:
+        load()
+        return True
+    except BuildError:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension is not available (None if it is, or has not been tried yet)."""
+    return _error
+
+
+def isa() -> str:
+    """The instruction set the extension was compiled for, e.g. ``"avx512+bf16dp vl16"``."""
+    return load().isa()
+
+
+def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (
+        query.dtype == key_cache.dtype
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and query.shape[-1] % 16 == 0
+        and query.shape[-1] <= 512
+        and query.stride(-1) == 1
+        and key_cache.is_contiguous()
+    )
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at
+    ``slot_mapping`` (-1: skip). Same contract as :func:`kernels.torch_ops.reshape_and_cache`."""
+    if (
+        key.dtype != key_cache.dtype
+        or value.dtype != value_cache.dtype
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or not key_cache.is_contiguous()
+        or not value_cache.is_contiguous()
+    ):
+        return torch_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    seq_lens_list: list[int] | None = None,
+    query_start_loc_list: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of a packed batch; same contract as :func:`kernels.torch_ops.paged_attention`.
+
+    The lists are accepted for signature compatibility and not needed (the kernel reads the tensors).
+    Shapes the kernel does not handle (head_dim not a multiple of 16, mixed dtypes, non-contiguous
+    caches) go to the torch path.
+    """
+    if not _supported(query, key_cache) or (out is not None and (out.dtype != query.dtype or out.stride(-1) != 1)):
+        return torch_ops.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out=out,
+            seq_lens_list=seq_lens_list, query_start_loc_list=query_start_loc_list,
+        )
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale))
+    return out

@@ -1,0 +1,331 @@
+"""The fused C++ CPU kernels (``kernels.cpu_ops``) against the torch reference, the dispatch and its
+fallback, and the prepacked oneDNN linear layers (``kernels.cpu_linear``).
+
+The extension is compiled on first use (about a minute once, then loaded from the build cache). Without
+a C++ compiler the kernel tests skip; with one, a build failure fails them (so a broken source cannot
+pass silently). Every check draws fresh random inputs (seed in the failure message), shuffled block
+tables whose unused entries point at other sequences' blocks, random data in unused cache slots, and a
+NaN-poisoned output buffer with trailing rows no sequence owns (which must stay untouched).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ops, torch_ops
+from tests.test_kernels import TOL, Batch, assert_close, random_seqs
+
+HAVE_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
+# float32 against a float64 reference: (relative L2, max abs); the other dtypes as in test_kernels
+CPU_TOL = {torch.float32: (1e-5, 2e-5), torch.bfloat16: TOL[torch.bfloat16], torch.float16: TOL[torch.float16]}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built (the engine falls back to the torch path)")
+    try:
+        return cpu_ops.load()
+    except cpu_ops.BuildError as e:
+        pytest.fail(f"a C++ compiler is present but the extension did not build: {e}")
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def check(b: Batch, **kw) -> torch.Tensor:
+    """Run the kernel on batch ``b`` into a NaN-poisoned buffer; compare with the float64 reference."""
+    rows = sum(q for _, q in b.seqs)
+    out = b.poisoned_out()
+    res = cpu_ops.paged_attention(*b.args(), out=out, **kw)
+    assert res is out
+    got, ref = out[:rows].double(), b.reference()[:rows]
+    assert torch.isfinite(got).all(), f"{b}: non-finite output (unwritten rows?) at {(~torch.isfinite(got)).nonzero()[:5].tolist()}"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    mx = (got - ref).abs().max().item()
+    rel_tol, abs_tol = CPU_TOL[b.dtype]
+    assert rel < rel_tol and mx < abs_tol, f"{b}: relative error {rel:.2e} (bound {rel_tol:.0e}), max abs {mx:.2e} (bound {abs_tol:.0e})"
+    assert torch.isnan(out[rows:]).all(), "rows past query_start_loc[-1] must not be written"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# paged attention
+# ------------------------------------------------------------------------------------------------
+# (block_size, num_kv_heads, group, head_dim, dtype): every block size with GQA groups 1, 3 and 4, head
+# dims 64 and 128 and float32 / bfloat16 alternating, then float16 and the odd head dims
+CASES = []
+for _i, (_bs, (_kvh, _g)) in enumerate((bs, kg) for bs in (1, 8, 16, 32) for kg in ((2, 1), (3, 3), (1, 4))):
+    CASES.append((_bs, _kvh, _g, (64, 128)[_i % 2], (torch.float32, torch.bfloat16)[(_i // 2) % 2]))
+CASES += [
+    (16, 3, 3, 64, torch.float16),
+    (8, 2, 4, 128, torch.float16),
+    (16, 2, 2, 16, torch.float32),  # the tiny test model's head_dim
+    (8, 2, 2, 16, torch.bfloat16),
+    (32, 1, 3, 80, torch.bfloat16),  # head_dim not a multiple of 32: the scalar packing paths
+    (16, 1, 2, 32, torch.bfloat16),
+]
+
+
+def _case_id(c):
+    bs, kvh, g, d, dt = c
+    return f"bs{bs}-kvh{kvh}-g{g}-d{d}-{str(dt).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim,dtype", CASES, ids=[_case_id(c) for c in CASES])
+def test_paged_attention_mixed_batch(ext, block_size, num_kv_heads, group, head_dim, dtype):
+    """Decode rows, chunked-prefill chunks starting mid-block after cached context (q_len < seq_len),
+    fresh prompts and one long prompt chunk (several query tiles and key chunks), in one call."""
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = random_seqs(rng, max(block_size, 2), decode=3, chunks=1, prompts=1, max_ctx=300, max_q=24)
+    seqs.append((rng.randint(260, 420), rng.randint(100, 250)))  # q_len < seq_len, spans key chunks
+    rng.shuffle(seqs)
+    b = Batch(seed, seqs, block_size=block_size, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+              dtype=dtype, device="cpu", extra_rows=3, strided_query=(group == 4))
+    check(b, **(b.lists() if seed % 2 else {}))
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,group,head_dim", [
+    (torch.bfloat16, 3, 3, 64), (torch.float32, 2, 1, 128), (torch.float16, 4, 2, 64)])
+def test_paged_attention_many_decode_rows(ext, dtype, num_kv_heads, group, head_dim):
+    """Enough decode rows that each work item takes all KV heads of its sequence (the decode layout
+    for large batches), next to a prompt chunk (one KV head per item)."""
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(rng.randint(1, 300), 1) for _ in range(20)] + [(90, 40)]
+    rng.shuffle(seqs)
+    b = Batch(seed, seqs, block_size=16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype,
+              device="cpu", extra_rows=2)
+    check(b)
+
+
+def test_paged_attention_matches_torch_path_float32(ext):
+    """Directly against the torch path in float32 (SmolLM2 shapes), decode and prefill together."""
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(rng.randint(1, 200), 1) for _ in range(6)] + [(300, 300), (257, 129)]
+    b = Batch(seed, seqs, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.float32, device="cpu")
+    got = cpu_ops.paged_attention(*b.args())
+    want = torch_ops.paged_attention(*b.args())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{b}: {m}")
+
+
+def test_paged_attention_edge_cases(ext):
+    """Single-token context, a prompt exactly filling its blocks, a one-block chunk, int64 metadata,
+    out=None, a zero-length sequence (no rows)."""
+    seed = _seed()
+    bs = 8
+    seqs = [(1, 1), (2 * bs, 2 * bs), (bs + 3, 1), (bs, 2), (5, 0)]
+    for dtype in (torch.float32, torch.bfloat16):
+        b = Batch(seed, seqs, block_size=bs, num_kv_heads=1, group=2, head_dim=64, dtype=dtype, device="cpu",
+                  extra_rows=3, index_dtype=torch.int64)
+        check(b)
+        res = cpu_ops.paged_attention(*b.args())
+        assert res.shape == b.query.shape and res.dtype == b.query.dtype
+
+
+def test_paged_attention_long_prefill_chunks(ext):
+    """A prompt in two chunks of chunked prefill (the second attends to the first through the cache):
+    many query tiles and key chunks, every block size's partial last block."""
+    seed = _seed()
+    for bs in (16, 32):
+        b = Batch(seed, [(700, 380)], block_size=bs, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16,
+                  device="cpu")
+        check(b)
+
+
+def test_thread_count_does_not_change_results(ext):
+    """Each work item is computed by one thread: 1 and 2 threads give identical bits."""
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(rng.randint(1, 300), 1) for _ in range(8)] + [(200, 150)]
+    b = Batch(seed, seqs, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention(*b.args())
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention(*b.args())
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two), seed
+
+
+def test_unsupported_shapes_use_the_torch_path(ext):
+    """head_dim not a multiple of 16 goes to the torch path (same results as calling it)."""
+    seed = _seed()
+    b = Batch(seed, [(20, 1), (9, 5)], block_size=8, num_kv_heads=1, group=2, head_dim=24, dtype=torch.float32,
+              device="cpu")
+    torch.testing.assert_close(cpu_ops.paged_attention(*b.args()), torch_ops.paged_attention(*b.args()))
+
+
+# ------------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,block_size,num_kv_heads,head_dim,slot_dtype,strided",
+    [
+        (torch.float32, 8, 3, 64, torch.int64, False),
+        (torch.bfloat16, 16, 3, 64, torch.int32, True),
+        (torch.float16, 1, 2, 128, torch.int64, True),
+        (torch.bfloat16, 32, 1, 16, torch.int64, False),
+    ],
+)
+def test_reshape_and_cache(ext, dtype, block_size, num_kv_heads, head_dim, slot_dtype, strided):
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    nb, T = 6, 40
+    kc = torch.randn(nb, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    vc = torch.randn(nb, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    if strided:  # K and V as views into a [heads, tokens, dim] tensor, as the model hands them over
+        k = torch.randn(num_kv_heads, T, head_dim, generator=g).to(dtype).transpose(0, 1)
+        v = torch.randn(num_kv_heads, T, head_dim, generator=g).to(dtype).transpose(0, 1)
+    else:
+        k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
+    T = min(T, nb * block_size)
+    k, v = k[:T], v[:T]
+    slots = torch.randperm(nb * block_size, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[: T // 4]] = -1
+    slots = slots.to(slot_dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    torch_ops.reshape_and_cache(k, v, want_k, want_v, slots)
+    assert cpu_ops.reshape_and_cache(k, v, kc, vc, slots) is None
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v), f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch and fallback
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def restore_dispatch(monkeypatch):
+    saved = (kernels._FORCED, kernels._cpp_ok, cpu_ops._module, cpu_ops._error)
+    yield monkeypatch
+    kernels._FORCED, kernels._cpp_ok, cpu_ops._module, cpu_ops._error = saved
+
+
+def test_dispatch(ext, restore_dispatch):
+    b = Batch(_seed(), [(20, 1), (9, 5)], block_size=16, num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32,
+              device="cpu")
+    kernels.set_backend(None)
+    assert kernels.backend_for(torch.zeros(1)) == "cpp"
+    for name in ("cpp", "torch"):
+        kernels.set_backend(name)
+        assert kernels.backend_for(torch.zeros(1)) == name
+        out = b.poisoned_out()
+        kernels.paged_attention(*b.args(), out=out)
+        assert_close(out, b.reference(), torch.float32, b)
+    with pytest.raises(ValueError):
+        kernels.set_backend("cuda")
+
+
+def test_env_var_forces_backend(ext, monkeypatch):
+    import importlib
+
+    try:
+        for name in ("torch", "cpp"):
+            monkeypatch.setenv("CBP_ATTENTION_BACKEND", name)
+            importlib.reload(kernels)
+            assert kernels.backend_for(torch.zeros(1)) == name
+    finally:
+        monkeypatch.delenv("CBP_ATTENTION_BACKEND", raising=False)
+        importlib.reload(kernels)
+
+
+def test_build_failure_falls_back_to_torch_with_one_warning(restore_dispatch, caplog):
+    """Simulated build failure: CPU calls give the torch path's results, after exactly one warning."""
+    mp = restore_dispatch
+
+    def broken_build():
+        raise cpu_ops.BuildError("simulated: no compiler")
+
+    mp.setattr(cpu_ops, "_build", broken_build)
+    cpu_ops._module, cpu_ops._error = None, None
+    kernels._cpp_ok = None
+    kernels.set_backend(None)
+    b = Batch(_seed(), [(30, 1), (12, 6)], block_size=8, num_kv_heads=1, group=3, head_dim=64, dtype=torch.float32,
+              device="cpu")
+    want = torch_ops.paged_attention(*b.args())
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        for _ in range(3):
+            assert kernels.backend_for(torch.zeros(1)) == "torch"
+            got = kernels.paged_attention(*b.args())
+            assert torch.equal(got, want)
+            kc, vc = b.key_cache.clone(), b.value_cache.clone()
+            kernels.reshape_and_cache(torch.ones(2, 1, 64), torch.ones(2, 1, 64), kc, vc, torch.tensor([0, -1]))
+            assert torch.equal(kc[0, :, 0], torch.ones(1, 64))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "simulated: no compiler" in warnings[0].getMessage()
+    assert not cpu_ops.available() and cpu_ops.unavailable_reason() == "simulated: no compiler"
+    # forcing the C++ backend when it cannot be built is an error, not a silent fallback
+    kernels.set_backend("cpp")
+    with pytest.raises(cpu_ops.BuildError):
+        kernels.paged_attention(*b.args())
+
+
+def test_missing_compiler_is_reported(restore_dispatch):
+    """The loader names a missing compiler as the reason (without trying to build)."""
+    mp = restore_dispatch
+    mp.setenv("CXX", "no-such-compiler-cbp")
+    cpu_ops._module, cpu_ops._error = None, None
+    assert not cpu_ops.available()
+    assert "no-such-compiler-cbp" in cpu_ops.unavailable_reason()
+
+
+# ------------------------------------------------------------------------------------------------
+# prepacked oneDNN linear layers
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepack_linears_gives_equal_logits(dtype):
+    """Packing only happens where results are bit-identical, so logits stay equal (min_speedup=0:
+    pack every shape that qualifies, to exercise the packed modules whatever this CPU's timings)."""
+    import copy
+
+    from kernels import cpu_linear
+    from tests.conftest import make_tiny_model
+
+    if not cpu_linear.available():
+        pytest.skip("torch without oneDNN (mkldnn)")
+    base = make_tiny_model(vocab_size=300, seed=1).to(dtype)
+    packed = copy.deepcopy(base)
+    n = cpu_linear.prepack_linears(packed, min_speedup=0.0)
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(_seed()))
+    with torch.no_grad():
+        want = base(ids).logits
+        got = packed(ids).logits
+    assert torch.equal(got, want)
+    replaced = [m for m in packed.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert len(replaced) == n
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and n == 0:
+        pytest.skip("no bfloat16 shape packs bit-identically on this CPU")
+    if n:  # the replaced modules are the decoder layers' projections (and lm_head)
+        names = {name for name, m in packed.named_modules() if isinstance(m, cpu_linear.PackedLinear)}
+        assert all(".layers." in name or name == "lm_head" for name in names), names
+        # generation through transformers still works on the packed model
+        with torch.no_grad():
+            out = packed.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 20)
+
+
+def test_prepack_linears_skips_unequal_or_slower_shapes(monkeypatch):
+    from kernels import cpu_linear
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(vocab_size=100, seed=2).to(torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "_VERDICTS", {})
+    monkeypatch.setattr(cpu_linear, "calibrate", lambda lin, rows: (False, 9.0))  # unequal
+    assert cpu_linear.prepack_linears(model) == 0
+    monkeypatch.setattr(cpu_linear, "_VERDICTS", {})
+    monkeypatch.setattr(cpu_linear, "calibrate", lambda lin, rows: (True, 0.9))  # equal but slower
+    assert cpu_linear.prepack_linears(model) == 0
+    assert not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
