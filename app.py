@@ -22,7 +22,7 @@ from engine.options import PLAYGROUND_DEFAULTS, Option
 from server.options import add_server_options, server_kwargs
 
 UI_OPTIONS: tuple[Option, ...] = (
-    Option("refresh", float, 0.5, "seconds between panel refreshes in each tab"),
+    Option("refresh", float, 0.5, "seconds between panel refreshes in each tab", low=0, low_open=True),
 )
 
 # num_blocks is the playground's default only when no KV size is given at all (--num-blocks and

@@ -65,7 +65,7 @@ class EngineConfig:
     kv_cache_memory: int | float | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 80
     max_model_len: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True

@@ -222,6 +222,12 @@ class EngineCore:
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids has a token id outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            # before min_tokens, EOS (unless ignore_eos) and stop token ids are masked: something must remain
+            masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= masked:
+                raise ValueError("allowed_token_ids leaves nothing to sample before min_tokens: every allowed id "
+                                 "is an end-of-sequence or stop token id")
         rid = request_id or uuid.uuid4().hex
         seqs = []
         for i in range(params.n):

@@ -19,6 +19,7 @@ from engine.config import POLICIES, EngineConfig
 
 ENV_PREFIX = "CBP_"
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Option:
         default: value when neither the flag nor the variable is given (None = "the engine decides").
         help: one line for ``--help``.
         choices: allowed values, or None.
+        low, high: inclusive bounds of a number (None = unbounded); ``low_open`` makes ``low`` exclusive.
     """
 
     name: str
@@ -39,6 +41,9 @@ class Option:
     default: object
     help: str
     choices: tuple | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
 
     @property
     def flag(self) -> str:
@@ -48,22 +53,53 @@ class Option:
     def env_var(self) -> str:
         return ENV_PREFIX + self.name.upper()
 
-    def from_env(self, env: Mapping[str, str]):
-        """The value of ``CBP_<NAME>`` in ``env`` cast to :attr:`type`, or None when unset or empty.
+    def parse(self, text: str):
+        """``text`` as a value of this option.
 
         Raises:
-            ValueError: the variable's text is not a valid value.
+            ValueError: not of the option's type, not one of its choices, or out of its bounds.
+        """
+        text = text.strip()
+        if self.type is bool:
+            word = text.lower()
+            if word not in _TRUE | _FALSE:
+                raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}, got {text!r}")
+            return word in _TRUE
+        try:
+            value = self.type(text)
+        except ValueError:
+            raise ValueError(f"expected {self.type.__name__}, got {text!r}") from None
+        self.check(value)
+        return value
+
+    def check(self, value) -> None:
+        """Raise ``ValueError`` when ``value`` is outside the option's choices or bounds."""
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"must be one of {self.choices}, got {value!r}")
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            raise ValueError(f"must be {'>' if self.low_open else '>='} {self.low:g}, got {value!r}")
+        if self.high is not None and value > self.high:
+            raise ValueError(f"must be <= {self.high:g}, got {value!r}")
+
+    def from_env(self, env: Mapping[str, str]):
+        """The value of ``CBP_<NAME>`` in ``env`` (see :meth:`parse`), or None when unset or empty.
+
+        Raises:
+            ValueError: the variable's text is not a valid value; the message names the variable.
         """
         raw = env.get(self.env_var)
         if raw is None or raw.strip() == "":
             return None
-        raw = raw.strip()
-        if self.type is bool:
-            return raw.lower() in _TRUE
-        value = self.type(raw)
-        if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.env_var} must be one of {self.choices}, got {value!r}")
-        return value
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.env_var}: {e}") from None
+
+    def _argparse_type(self, text: str):
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _CFG = {f.name: f.default for f in fields(EngineConfig)}
@@ -75,13 +111,13 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("device", str, None, "cpu or cuda (default: auto)"),
     Option("policy", str, _CFG["policy"], "continuous batching, or static batches for comparison",
            choices=POLICIES),
-    Option("max_num_seqs", int, _CFG["max_num_seqs"], "batch slots: requests computed together"),
+    Option("max_num_seqs", int, _CFG["max_num_seqs"], "batch slots: requests computed together", low=1),
     Option("max_num_batched_tokens", int, _CFG["max_num_batched_tokens"],
-           "token budget of one engine step (tokens); longer prompts are prefilled in chunks"),
+           "token budget of one engine step (tokens); longer prompts are prefilled in chunks", low=1),
     Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
-           "while any request decodes, prompt tokens per step (all chunks together) are at most this"),
-    Option("block_size", int, _CFG["block_size"], "tokens per KV block"),
-    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory)"),
+           "while any request decodes, prompt tokens per step (all chunks together) are at most this", low=1),
+    Option("block_size", int, _CFG["block_size"], "tokens per KV block", low=1),
+    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory)", low=1),
     Option("kv_cache_memory", str, None, 'KV cache budget instead of --num-blocks: bytes, "256MiB", "2GiB", '
                                          "or a fraction of free device memory such as 0.5 (default: 512MiB)"),
     Option("enable_prefix_caching", bool, _CFG["enable_prefix_caching"],
@@ -115,7 +151,8 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
             parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=opt.help + shown)
         else:
-            parser.add_argument(opt.flag, dest=opt.name, type=opt.type, default=default, choices=opt.choices,
+            parser.add_argument(opt.flag, dest=opt.name, type=opt._argparse_type, default=default,
+                                metavar="{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper(),
                                 help=opt.help + shown)
 
 

@@ -14,13 +14,14 @@ from engine.options import Option, add_options
 
 SERVER_OPTIONS: tuple[Option, ...] = (
     Option("host", str, None, "address to bind (default: GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 for all)"),
-    Option("port", int, None, "port (default: GRADIO_SERVER_PORT or the first free one from 7860)"),
+    Option("port", int, None, "port (default: GRADIO_SERVER_PORT or the first free one from 7860)", low=0,
+           high=65535),
     Option("share", bool, False, "create a public gradio.live link (the OpenAI API is not served then)"),
     Option("max_pending", int, 256,
-           "requests in flight at once (chats + API); more get 'busy, retry' / HTTP 429"),
-    Option("rate_limit", int, 0, "API requests per --rate-period per client host; 0 = no limit"),
-    Option("rate_period", float, 60.0, "seconds of the rate-limit window"),
-    Option("queue_size", int, 256, "Gradio's event queue bound"),
+           "requests in flight at once (chats + API); more get 'busy, retry' / HTTP 429", low=1),
+    Option("rate_limit", int, 0, "API requests per --rate-period per client host; 0 = no limit", low=0),
+    Option("rate_period", float, 60.0, "seconds of the rate-limit window", low=0, low_open=True),
+    Option("queue_size", int, 256, "Gradio's event queue bound", low=1),
     Option("served_model_name", str, None,
            "model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)"),
 )

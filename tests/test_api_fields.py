@@ -133,7 +133,8 @@ REFUSED = ([("chat", f) for f in REFUSED_COMMON] + [("completions", f) for f in 
            + [("chat", "tools_empty"), ("chat", "response_format"), ("completions", "response_format"),
               ("completions", "best_of"), ("completions", "echo_logprobs"), ("chat", "logit_bias_range"),
               ("chat", "logit_bias_key"), ("chat", "logit_bias_vocab"), ("completions", "allowed_token_ids_vocab"),
-              ("chat", "allowed_token_ids_empty"), ("chat", "truncate_prompt_tokens"),
+              ("chat", "allowed_token_ids_empty"), ("chat", "allowed_token_ids_min_tokens"),
+              ("chat", "truncate_prompt_tokens"),
               ("chat", "chat_template_kwargs"), ("chat", "tool_calls_message"), ("chat", "presence_penalty")])
 SPECIAL = {  # name -> (body fields, param)
     "tools_empty": ({"tools": []}, "tools"),
@@ -145,6 +146,8 @@ SPECIAL = {  # name -> (body fields, param)
     "logit_bias_vocab": ({"logit_bias": {"999999": 1}}, "logit_bias"),
     "allowed_token_ids_vocab": ({"allowed_token_ids": [1, 999999]}, "allowed_token_ids"),
     "allowed_token_ids_empty": ({"allowed_token_ids": []}, "allowed_token_ids"),
+    # only EOS (id 2) allowed, but EOS is masked until min_tokens: nothing left to sample
+    "allowed_token_ids_min_tokens": ({"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     "chat_template_kwargs": ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     "tool_calls_message": ({"messages": CHAT + [{"role": "assistant", "content": "",
