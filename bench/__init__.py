@@ -21,7 +21,9 @@ Modules, by job:
 * :mod:`bench.peers` (``make bench-peers``): ours against vLLM's CPU backend in one run (W64, a long
   prefill, the mixed case, HTTP); :mod:`bench.peers_run` runs vLLM's side and the servers as
   subprocesses; ``bench/vllm_worker.py`` and ``bench/vllm_serve_client.py`` run inside vLLM's own venv
-  (``bench/peers_setup.sh``); :mod:`bench.hf_export` writes the embedded model as a Hugging Face folder.
+  (``bench/peers_setup.sh``); :mod:`bench.hf_export` writes the embedded model as a Hugging Face folder;
+* :mod:`bench.latency` (``python -m bench.latency``): running chats' token gaps while a long prompt is
+  prefilled, and that prompt's time to first token against its prefill alone.
 
 The reference workload W64 is ``bench/w64.json``.
 """

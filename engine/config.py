@@ -47,9 +47,9 @@ class EngineConfig:
         kv_cache_memory: KV budget in bytes (int or ``"512MiB"``) or a fraction of free device memory.
         max_num_seqs: batch slots: requests running at once.
         max_num_batched_tokens: token budget of one step (tokens).
-        prefill_chunk_tokens: while any request decodes, the prompt tokens of one step (all chunks
-            together) are at most this many (tokens), so a long prompt never freezes running streams;
-            with nothing decoding, prompts use the whole ``max_num_batched_tokens``.
+        prefill_chunk_tokens: while any request decodes, each prompt computes at most this many tokens
+            per step (tokens), so a long prompt never freezes running streams; with nothing decoding,
+            prompts use the whole ``max_num_batched_tokens``.
         max_model_len: context length (tokens); None = the model's, capped by the KV pool's capacity.
         policy: ``"continuous"`` or ``"static"`` (comparison only).
         enable_prefix_caching: reuse cached full blocks of identical prefixes.

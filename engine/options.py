@@ -115,7 +115,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("max_num_batched_tokens", int, _CFG["max_num_batched_tokens"],
            "token budget of one engine step (tokens); longer prompts are prefilled in chunks", low=1),
     Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
-           "while any request decodes, prompt tokens per step (all chunks together) are at most this", low=1),
+           "while any request decodes, each prompt computes at most this many tokens per step", low=1),
     Option("block_size", int, _CFG["block_size"], "tokens per KV block", low=1),
     Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory)", low=1),
     Option("kv_cache_memory", str, None, 'KV cache budget instead of --num-blocks: bytes, "256MiB", "2GiB", '

@@ -11,10 +11,10 @@ One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
 
 Latency policy (chunked prefill that never freezes a stream): every running request that decodes
 gets its token first (the budget is reserved for them before any prompt chunk is sized), and while
-at least one request decodes, all prompt chunks of the step together take at most
-``prefill_chunk_tokens`` tokens. A long prompt is then prefilled over several steps, each of them
-also computing every decode token; with nothing decoding, prompts use the whole
-``max_num_batched_tokens`` budget.
+at least one request decodes, each prompt's chunk is at most ``prefill_chunk_tokens`` tokens per step
+(vLLM's ``long_prefill_token_threshold`` plays the same role). A long prompt is then prefilled over
+several steps, each of them also computing every decode token; with nothing decoding, prompts use the
+whole ``max_num_batched_tokens`` budget.
 
 ``static`` admits a batch only when nothing is running, reserves ``prompt + max_tokens`` blocks per
 request up front (as pre-paging servers did), and keeps a finished request's slot empty until the whole
@@ -129,7 +129,7 @@ class Scheduler:
         preempted: list[Request] = []
         # decode tokens are reserved first, so that no prompt chunk can take them (latency policy)
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        prefill_budget = self.config.prefill_chunk_tokens if decodes_left else budget
+        chunk_cap = self.config.prefill_chunk_tokens if decodes_left else budget  # per prompt, per step
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -142,7 +142,7 @@ class Scheduler:
                 decodes_left -= 1
                 num_new = 1
             else:
-                num_new = min(remaining, budget - max(0, decodes_left), prefill_budget)
+                num_new = min(remaining, budget - max(0, decodes_left), chunk_cap)
                 if num_new <= 0:
                     i += 1
                     continue
@@ -156,12 +156,10 @@ class Scheduler:
                 break
             scheduled.append((req, num_new))
             budget -= num_new
-            if remaining > 1:
-                prefill_budget -= num_new
             i += 1
 
         if not preempted and (not self.static or not self.running):
-            self._admit(scheduled, out, min(budget, prefill_budget))
+            self._admit(scheduled, out, budget, chunk_cap)
 
         # decode rows first: the attention path handles a contiguous run of single-token rows at once
         scheduled.sort(key=lambda rn: rn[1] > 1)
@@ -171,7 +169,7 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_copies()
         return out
 
-    def _admit(self, scheduled: list, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, scheduled: list, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
         now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
@@ -182,7 +180,7 @@ class Scheduler:
             slot = free_slots[0]
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             remaining = req.num_tokens - req.num_computed_tokens - num_hit
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, chunk_cap)
             lookahead = 0
             if self.static:
                 lookahead = req.num_prompt_tokens + req.max_tokens - (req.num_computed_tokens + num_hit + num_new)

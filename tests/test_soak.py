@@ -123,7 +123,8 @@ async def _soak(url: str, engine: AsyncEngine) -> dict:
 
 def test_soak_disconnects_leak_nothing_and_survivors_match_alone(tiny_model, tokenizer):
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=160, block_size=16, max_num_seqs=16,
-                                                 max_num_batched_tokens=128, telemetry_capacity=100_000),
+                                                 max_num_batched_tokens=128, prefill_chunk_tokens=16,
+                                                 telemetry_capacity=100_000),
                                     model=tiny_model, tokenizer=tokenizer))
     server = ServerThread(create_api(engine, MODEL)).start()
     try:
