@@ -143,6 +143,18 @@ def test_paged_attention_long_prefill_chunks(ext):
         check(b)
 
 
+@pytest.mark.parametrize("bf16_dot", ["0", "1"])
+def test_bfloat16_paths_mixed_batch_and_long_chunks(ext, monkeypatch, bf16_dot):
+    """Both bfloat16 paths: float32 products (default) and, where the CPU has AVX512-BF16, the opt-in
+    bf16 dot products (``CBP_CPU_BF16_DOT=1``), on decode rows mixed with long chunked-prefill chunks."""
+    monkeypatch.setenv("CBP_CPU_BF16_DOT", bf16_dot)
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = random_seqs(rng, 16, decode=4, chunks=1, prompts=1, max_ctx=300, max_q=24) + [(700, 380)]
+    b = Batch(seed, seqs, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    check(b)
+
+
 def test_thread_count_does_not_change_results(ext):
     """Each work item is computed by one thread: 1 and 2 threads give identical bits."""
     seed = _seed()

@@ -18,16 +18,19 @@
 //   3. online softmax update per row (running max m, sum l, rescale factor alpha), P = exp(S - m);
 //   4. O = alpha * O + P V (register-blocked micro-kernel).
 // Two compute paths:
-//   * bfloat16 caches on CPUs with AVX512_BF16: Q K^T and P V with vdpbf16ps (bf16 products, float32
-//     accumulation; K packed as transposed element pairs, V as interleaved row pairs, P rounded to bf16),
-//   * everything else (float32, float16, bfloat16 without AVX512_BF16): float32 FMAs on GCC vector
-//     types (16 lanes with AVX-512, 8 otherwise), K converted and transposed into float32.
+//   * float32 FMAs on GCC vector types (16 lanes with AVX-512, 8 otherwise), K and V converted to
+//     float32, P kept in float32: the default for every dtype;
+//   * bfloat16 caches on CPUs with AVX512_BF16, opt-in with CBP_CPU_BF16_DOT=1: Q K^T and P V with
+//     vdpbf16ps (bf16 products, float32 accumulation; K packed as transposed element pairs, V as
+//     interleaved row pairs, P rounded to bf16). About 1.3x faster on a long prefill, but the rounding
+//     of P flips near-tied greedy choices of SmolLM2 that the float32 path keeps.
 // No [q_len x ctx] mask is built: masking is per chunk from each row's position.
 //
 // Vector code uses GCC/Clang vector extensions so the same source builds for AVX2-only and AVX-512
 // CPUs; AVX-512 intrinsics (transposes, bf16 dot products) are compiled only when the compiler
 // targets them (-march=native at build time).
 
+#include <cstdlib>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -755,6 +758,13 @@ static at::Tensor as_int32(const at::Tensor& t) {
 }
 
 // out[num_tokens, num_heads, head_dim] (written rows: those of the sequences; others untouched)
+
+// CBP_CPU_BF16_DOT=1: bfloat16 caches use vdpbf16ps for Q K^T and P V (read at every call)
+static bool bf16_dot_products() {
+  const char* v = std::getenv("CBP_CPU_BF16_DOT");
+  return v != nullptr && v[0] == '1';
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale) {
@@ -836,10 +846,14 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     case at::kHalf: run_all<at::Half, false>(a, works); break;
     case at::kBFloat16:
 #if CBP_HAVE_BF16DP
-      run_all<at::BFloat16, true>(a, works);
-#else
-      run_all<at::BFloat16, false>(a, works);
+      // bf16 dot products (P rounded to bf16, as FlashAttention does) are faster, but on SmolLM2 they flip
+      // near-tied greedy choices that float32 products keep: opt-in with CBP_CPU_BF16_DOT=1
+      if (bf16_dot_products()) {
+        run_all<at::BFloat16, true>(a, works);
+        break;
+      }
 #endif
+      run_all<at::BFloat16, false>(a, works);
       break;
     default: TORCH_CHECK(false, "unsupported dtype ", key_cache.scalar_type());
   }
