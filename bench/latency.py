@@ -51,12 +51,13 @@ def _run(core: EngineCore, prompts: dict[str, tuple[list[int], int]], late: tupl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chats", type=int, default=8)
-    p.add_argument("--chat-tokens", type=int, default=96)
-    p.add_argument("--chat-prompt-tokens", type=int, default=40)
-    p.add_argument("--long-tokens", type=int, default=4000)
-    p.add_argument("--arrive-after", type=int, default=8, help="chat tokens before the long prompt arrives")
-    p.add_argument("--json", default=None)
+    p.add_argument("--chats", type=int, default=8, help="chats decoding (default: 8)")
+    p.add_argument("--chat-tokens", type=int, default=96, help="tokens each chat generates (default: 96)")
+    p.add_argument("--chat-prompt-tokens", type=int, default=40, help="prompt tokens of each chat (default: 40)")
+    p.add_argument("--long-tokens", type=int, default=4000, help="tokens of the long prompt (default: 4000)")
+    p.add_argument("--arrive-after", type=int, default=8,
+                   help="chat tokens before the long prompt arrives (default: 8)")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
     add_engine_options(p)
     args = p.parse_args(argv)
     core = EngineCore(EngineConfig.from_kwargs(**engine_kwargs(args)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     p.add_argument("--num-prompts", type=int, default=0, help="add N built-in chat prompts with mixed max_tokens (16..256)")
     p.add_argument("--workload", help="a W64-style JSON file (requests with prompt_token_ids and max_tokens)")
-    add_engine_options(p)
+    add_engine_options(p, env=os.environ)  # CBP_* variables, as the app reads them
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -39,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as e:  # a CBP_* variable that does not parse
+        argparse.ArgumentParser(prog="python -m engine").error(str(e))
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     prompts: list = []
     params: list[SamplingParams] = []

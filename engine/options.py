@@ -117,9 +117,11 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
            "while any request decodes, each prompt computes at most this many tokens per step", low=1),
     Option("block_size", int, _CFG["block_size"], "tokens per KV block", low=1),
-    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory)", low=1),
+    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory; the playground "
+                                    "app: 384 when neither is given)", low=1),
     Option("kv_cache_memory", str, None, 'KV cache budget instead of --num-blocks: bytes, "256MiB", "2GiB", '
-                                         "or a fraction of free device memory such as 0.5 (default: 512MiB)"),
+                                         "or a fraction of free device memory such as 0.5 (default without "
+                                         "--num-blocks: 512MiB)"),
     Option("enable_prefix_caching", bool, _CFG["enable_prefix_caching"],
            "reuse the KV blocks of identical prompt prefixes"),
 )

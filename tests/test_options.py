@@ -87,3 +87,16 @@ def test_environment_variables_and_command_line_precedence():
     for bad in ({"CBP_MAX_NUM_SEQS": "many"}, {"CBP_POLICY": "bogus"}, {"CBP_PORT": "80.5"}):
         with pytest.raises(SystemExit):
             app.parse_args([], env=bad)
+
+
+def test_engine_command_line_reads_cbp_variables(monkeypatch):
+    from engine.__main__ import build_parser
+
+    monkeypatch.setenv("CBP_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("CBP_ENABLE_PREFIX_CACHING", "off")
+    args = build_parser().parse_args([])
+    assert args.max_num_seqs == 3 and args.enable_prefix_caching is False
+    assert build_parser().parse_args(["--max-num-seqs", "5"]).max_num_seqs == 5  # the command line wins
+    monkeypatch.setenv("CBP_PREFILL_CHUNK_TOKENS", "0")
+    with pytest.raises(ValueError, match="CBP_PREFILL_CHUNK_TOKENS"):
+        build_parser()
