@@ -19,6 +19,13 @@ MODEL = "tiny-test"
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
 
+def endpoint(name: str) -> tuple[str, dict]:
+    """``(path, minimal body)`` of the ``"chat"`` or ``"completions"`` endpoint."""
+    if name == "chat":
+        return "/v1/chat/completions", {"messages": CHAT}
+    return "/v1/completions", {"prompt": "hi"}
+
+
 def serve_tiny_api(tiny_model, tokenizer) -> Iterator[SimpleNamespace]:
     """Body of a module-scoped ``api`` fixture: the API of a tiny-model engine on 127.0.0.1 (free port),
     yielded as ``url``, ``engine``, ``client`` (openai) and ``http`` (httpx); all closed afterwards."""

@@ -22,6 +22,7 @@ from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
 from server.protocol import REFUSED_CHAT, REFUSED_COMMON, REFUSED_COMPLETIONS
 from tests._api_helpers import CHAT, MODEL, normal_request_works, serve_tiny_api, wait_idle
+from tests._api_helpers import endpoint as api_endpoint
 
 FRUIT = [{"role": "user", "content": "Name a fruit."}]
 
@@ -95,8 +96,7 @@ def test_min_tokens_suppresses_stop_strings(real_api):
     ("chat", {"min_tokens": -1}, "min_tokens"),
 ])
 def test_min_tokens_over_max_tokens_is_400(api, endpoint, body, param):
-    path, base = ("/v1/chat/completions", {"messages": CHAT}) if endpoint == "chat" else ("/v1/completions",
-                                                                                         {"prompt": "hi"})
+    path, base = api_endpoint(endpoint)
     r = api.http.post(path, json={"model": MODEL} | base | body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     normal_request_works(api)
@@ -164,8 +164,7 @@ def test_every_refused_field_has_an_example():
 @pytest.mark.parametrize("endpoint,name", REFUSED, ids=[f"{e}-{n}" for e, n in REFUSED])
 def test_unimplemented_field_is_400_naming_it(api, endpoint, name):
     body, param = SPECIAL[name] if name in SPECIAL else ({name: USED[name]}, name)
-    path, base = ("/v1/chat/completions", {"messages": CHAT}) if endpoint == "chat" else ("/v1/completions",
-                                                                                         {"prompt": "hi"})
+    path, base = api_endpoint(endpoint)
     r = api.http.post(path, json={"model": MODEL, "max_tokens": 2} | base | body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

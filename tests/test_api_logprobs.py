@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests._api_helpers import CHAT, MODEL, normal_request_works, serve_tiny_api, wait_idle
+from tests._api_helpers import endpoint as api_endpoint
 from tests.conftest import make_tiny_model
 
 
@@ -162,8 +163,7 @@ def test_byte_tokens_are_written_as_bytes(tokenizer):
     ("completions", {"logprobs": "many"}, "logprobs"),
 ])
 def test_logprobs_out_of_range_is_400(api, endpoint, body, param):
-    path, base = ("/v1/chat/completions", {"messages": CHAT}) if endpoint == "chat" else ("/v1/completions",
-                                                                                         {"prompt": "hi"})
+    path, base = api_endpoint(endpoint)
     r = api.http.post(path, json={"model": MODEL} | base | body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     normal_request_works(api)
