@@ -280,17 +280,21 @@ class EngineCore:
                 for seq in self._groups.get(item, [None]):
                     self.scheduler.abort(item if seq is None else seq.request_id)
 
+    def _rejected_outputs(self) -> list[RequestOutput]:
+        """Final outputs of the requests refused while draining the inbox (then forgotten)."""
+        outs = [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
+        self._rejected = []
+        return outs
+
     def process_inbox(self) -> list[RequestOutput]:
         """Apply the queued adds and aborts without running a step (a paused engine): new requests join
         the waiting queue, aborted ones give their blocks back now. Returns the final outputs of the
         requests that ended (aborted, refused)."""
-        self._rejected = []
         self._drain_inbox()
         finished = self.scheduler.take_finished()
         self._record_finished(finished, time.monotonic())
         outputs = self._outputs(finished)
-        outputs += [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
-        self._rejected = []
+        outputs += self._rejected_outputs()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -319,7 +323,6 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration. Returns an output for every request that got a token or ended."""
         t0 = time.monotonic()
-        self._rejected = []
         self._drain_inbox()
         sched = self.scheduler.schedule()
         batch_slots = self.scheduler.batch_slot_snapshot(sched)
@@ -343,8 +346,7 @@ class EngineCore:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         finished = self.scheduler.take_finished()
         outputs = self._outputs(changed + finished)
-        outputs += [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
-        self._rejected = []
+        outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, batch_slots, changed, finished)
