@@ -291,6 +291,7 @@ class EngineCore:
         the waiting queue, aborted ones give their blocks back now. Returns the final outputs of the
         requests that ended (aborted, refused)."""
         self._drain_inbox()
+        self.telemetry.set_queue(tuple(r.request_id for r in self.scheduler.waiting))
         finished = self.scheduler.take_finished()
         self._record_finished(finished, time.monotonic())
         outputs = self._outputs(finished)

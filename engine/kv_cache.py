@@ -220,7 +220,9 @@ class KVCacheManager:
         """Longest run of cached full blocks that starts the request's tokens.
 
         The last token is never counted (it must be computed to give logits), so at most
-        ``(num_tokens - 1) // block_size`` blocks match. Does not take references.
+        ``(num_tokens - 1) // block_size`` blocks match. Does not take references, and does not count the
+        lookup in the hit-rate counters: the caller does with :meth:`record_prefix_lookup` once the request
+        is admitted (a request that waits for blocks is looked up again at every step).
 
         Returns:
             ``(block ids, number of tokens they hold)``.
@@ -234,9 +236,14 @@ class KVCacheManager:
             if bid is None:
                 break
             hits.append(bid)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup: its ``num_tokens`` queried, ``num_hit_tokens``
+        found (tokens). No-op without prefix caching."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self,

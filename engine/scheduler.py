@@ -187,6 +187,8 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=max(0, lookahead)) is None:
                 break
             self.waiting.popleft()
+            if req.num_computed_tokens == 0:
+                self.kv.record_prefix_lookup(req, num_hit)
             req.num_computed_tokens += num_hit
             req.num_hit_blocks = len(hits)
             req.status = RequestStatus.RUNNING
@@ -331,5 +333,6 @@ class Scheduler:
                 phase = PHASE_PREFILL
             else:
                 phase = PHASE_DECODE
-            snaps.append(BatchSlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens + n, r.num_prompt_tokens))
+            snaps.append(BatchSlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens + n, r.num_prompt_tokens,
+                                           num_cached_tokens=r.num_hit_blocks * self.kv.block_size))
         return tuple(snaps)

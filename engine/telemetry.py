@@ -33,6 +33,8 @@ class BatchSlotSnapshot:
         num_computed_tokens: tokens in the KV cache for this request after the step (tokens).
         num_prompt_tokens: the request's prompt length (tokens): while ``num_computed_tokens`` is
             below it, the request is prefilling ("n of m prompt tokens").
+        num_cached_tokens: tokens the request found in the prefix cache when it took its slot (its
+            latest admission), counted in ``num_computed_tokens`` without being computed (tokens).
     """
 
     batch_slot: int
@@ -41,6 +43,7 @@ class BatchSlotSnapshot:
     num_scheduled_tokens: int = 0
     num_computed_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ class Telemetry:
     total_idle_slot_steps: int = field(init=False, default=0)
     start_time: float = field(init=False, default_factory=time.monotonic)
     paused: bool = field(init=False, default=False)  # the engine is paused (talk mode): no step runs
+    queue: tuple = field(init=False, default=())  # ids of the waiting requests now, in queue order
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
@@ -187,11 +191,32 @@ class Telemetry:
         """Append one step's snapshot (engine thread)."""
         with self._lock:
             self._steps.append(snap)
+            self.queue = snap.waiting
             self.total_steps += 1
             self.total_generated_tokens += snap.num_generated_tokens
             self.total_idle_slot_steps += sum(
                 1 for s in snap.batch_slots if s.request_id is not None and s.phase == PHASE_IDLE
             )
+
+    def set_queue(self, waiting: tuple[str, ...]) -> None:
+        """The waiting queue changed without a step (a paused engine took new requests or aborts)."""
+        with self._lock:
+            self.queue = tuple(waiting)
+
+    def request_state(self, request_id: str) -> dict | None:
+        """Where a request stands now: as :meth:`StepSnapshot.request_state` of the newest step, except that
+        the queue position comes from the queue now (requests also queue while the engine is paused).
+
+        Returns:
+            a dict (see :meth:`StepSnapshot.request_state`), or None when the engine has not seen the request
+            yet (still in its inbox) or it ended before the newest step.
+        """
+        with self._lock:
+            queue = self.queue
+            last = self._steps[-1] if self._steps else None
+        if request_id in queue:
+            return {"state": "queued", "position": queue.index(request_id) + 1, "waiting": len(queue)}
+        return last.request_state(request_id) if last is not None else None
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         """Append the latency record of a finished request (engine thread)."""
@@ -213,13 +238,16 @@ class Telemetry:
         with self._lock:
             return list(self._finished)
 
-    def stats(self, window: float = 5.0) -> dict:
+    def stats(self, window: float = 5.0, prefix_window_steps: int = 64) -> dict:
         """Counters for the panels.
 
         Returns a dict with ``running``, ``waiting``, ``kv_usage`` (0..1), ``tokens_per_s`` (generated
         tokens per second over the last ``window`` seconds of steps), ``steps``, ``preemptions``,
         ``generated_tokens``, ``prefix_hit_rate`` (0..1, None before any lookup),
-        ``prefill_tokens_saved`` (tokens), ``paused`` (bool) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
+        ``prefill_tokens_saved`` (tokens), the same two over the last ``prefix_window_steps`` steps:
+        ``prefix_hit_rate_window`` (0..1, None when no prompt was looked up in them) and
+        ``prefill_tokens_saved_window`` (tokens), with ``prefix_window_steps`` (the steps they cover:
+        fewer at the start), ``paused`` (bool) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
         ``tpot_p99`` (seconds, over the kept finished requests; None when there are none).
         """
         with self._lock:
@@ -238,6 +266,9 @@ class Telemetry:
             "generated_tokens": total_gen,
             "prefix_hit_rate": None,
             "prefill_tokens_saved": 0,
+            "prefix_hit_rate_window": None,
+            "prefill_tokens_saved_window": 0,
+            "prefix_window_steps": 0,
             "paused": self.paused,
         }
         if steps:
@@ -250,6 +281,18 @@ class Telemetry:
                 prefill_tokens_saved=last.prefix_cache_hits,
                 prefix_hit_rate=(last.prefix_cache_hits / last.prefix_cache_queries) if last.prefix_cache_queries else None,
             )
+            # per window: the cumulative counters of the last step minus those just before the window
+            # (zero when the window reaches back to the engine's first step)
+            k = max(1, prefix_window_steps)
+            if len(steps) > k:
+                base_q, base_h, covered = steps[-k - 1].prefix_cache_queries, steps[-k - 1].prefix_cache_hits, k
+            elif total_steps <= len(steps):
+                base_q, base_h, covered = 0, 0, len(steps)
+            else:  # the ring buffer is shorter than the window: from its oldest step
+                base_q, base_h, covered = steps[0].prefix_cache_queries, steps[0].prefix_cache_hits, len(steps) - 1
+            queries, hits = last.prefix_cache_queries - base_q, last.prefix_cache_hits - base_h
+            out.update(prefix_hit_rate_window=hits / queries if queries > 0 else None,
+                       prefill_tokens_saved_window=hits, prefix_window_steps=covered)
             recent = [s for s in steps if s.time >= now - window]
             if recent:
                 span = max(recent[-1].time - (recent[0].time - recent[0].duration), 1e-6)

@@ -134,3 +134,20 @@ def test_a_request_id_is_free_again_only_once_the_core_is_done_with_it(engine):
     outs = asyncio.run(main())
     assert outs and outs[-1].finished and outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 3
     assert outs[-1].prompt == "a new prompt"
+
+
+def test_requests_queued_while_paused_know_their_place(engine):
+    async def main():
+        engine.pause()
+        tasks = [asyncio.create_task(engine.generate_text("hi", SamplingParams(max_tokens=2), request_id=rid))
+                 for rid in ("q1", "q2")]
+        await _until(lambda: engine.telemetry.queue == ("q1", "q2"))
+        assert engine.telemetry.request_state("q2") == {"state": "queued", "position": 2, "waiting": 2}
+        assert engine.telemetry.request_state("nope") is None
+        engine.step_once()
+        await _until(lambda: engine.telemetry.request_state("q1") and
+                     engine.telemetry.request_state("q1")["state"] in ("decoding", "finished"))
+        engine.resume()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())

@@ -135,3 +135,20 @@ def test_second_chat_turn_reuses_first_turn_blocks_and_telemetry_shows_it(tiny_m
     assert len(fig.data[4].x) == len(snap.cache_hit_blocks)
     stats = eng.telemetry.stats()
     assert stats["prefix_hit_rate"] > 0.3 and stats["prefill_tokens_saved"] >= 32
+
+
+def test_a_request_waiting_for_blocks_is_counted_once_in_the_hit_rate(tiny_model, tokenizer):
+    # 8 blocks of 4 tokens: "a" (20 prompt tokens + 8 new) fills most of the pool, so "b" (same 16-token
+    # prefix, 12 more) waits several steps for blocks; its lookup counts once, when it is admitted.
+    eng = engine(tiny_model, tokenizer, True, num_blocks=8, max_num_seqs=2)
+    prefix = list(range(10, 26))
+    eng.add_request("a", prefix + [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.step()
+    eng.add_request("b", prefix + list(range(40, 52)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    waited = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        waited += any(r.request_id == "b" for r in eng.scheduler.waiting)
+    assert waited >= 2, "b never had to wait: the test does not test the double count"
+    assert eng.kv.prefix_queries == 20 + 28
+    assert eng.kv.prefix_hits % BS == 0 and eng.kv.prefix_hits <= 16
