@@ -3,28 +3,41 @@
 Colour code shared by both panels: each request gets one palette colour (:class:`ColorAssigner`);
 in the slot heatmap a prefill cell is a light shade of it, a decode cell the full colour, a slot held
 without computing (static policy) is grey; an empty slot is blank. In the block map a block has its
-owner's colour, a free block is blank (white), a free block that still holds a findable prefix is pale grey.
+owner's colour, a free block is blank (white), a free block that still holds a findable prefix is pale
+blue-grey, and the cells after the last block of the pool (the end of the last grid row) are marked "x".
+
+The palette and the colour codes live in :mod:`ui.palette` (re-exported here).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 
-import plotly.colors as pc
 import plotly.graph_objects as go
 
 from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot
-
-PALETTE: tuple[str, ...] = tuple(c for c in pc.qualitative.Dark24 if c != "#222A2A")
-K = len(PALETTE)
-IDLE_CODE = 2 * K  # slot held by a request but not computed in this step
-CACHED_CODE = 2 * K + 1  # free block still holding a cached prefix
-FREE_CODE = 2 * K + 2  # free block (drawn blank)
-IDLE_COLOR = "#9E9E9E"
-CACHED_COLOR = "#D5DBE3"
-FREE_COLOR = "#FFFFFF"
-GRID_COLOR = "#E6E6E6"  # plot background seen through the gaps between cells
+from ui.palette import (  # noqa: F401  (re-exported: the figures' colour code)
+    _NAMED_COLORS,
+    CACHED_CODE,
+    CACHED_COLOR,
+    COLORSCALE,
+    FREE_CODE,
+    FREE_COLOR,
+    GRID_COLOR,
+    IDLE_CODE,
+    IDLE_COLOR,
+    MINE_COLOR,
+    OUTSIDE_MARK_COLOR,
+    PALETTE,
+    PALETTE_NAMES,
+    ZRANGE,
+    ColorAssigner,
+    K,
+    color_name,
+    default_colors,
+    light_shade,
+    request_order,
+)
 
 LABELS_EN = {
     "step": "engine step", "slot": "batch slot", "request": "request",
@@ -33,28 +46,12 @@ LABELS_EN = {
     "filled": "tokens filled", "refcount": "refcount", "reused": "times reused", "shared": "shared", "cache_hit": "prefix-cache hit",
     "reused_marker": "reused block", "running": "running", "waiting": "waiting", "kv": "KV usage %",
     "prefill": "prefill", "decode": "decode", "idle": "idle (held)",
+    "outside": "not in the pool", "mine": "your request", "cache_hit_tokens": "prefix-cache hit tokens",
 }
 
 
-def _light(hex_color: str, amount: float = 0.55) -> str:
-    """The colour moved ``amount`` of the way to white (used for prefill cells)."""
-    rgb = pc.hex_to_rgb(hex_color)
-    return pc.label_rgb(pc.find_intermediate_color(rgb, (255, 255, 255), amount))
+DEFAULT_WINDOW = 96  # steps on the occupancy x axis before the first step (the panel's default window)
 
-
-def _code_colorscale() -> list[list]:
-    """A stepwise colorscale: code v (0..FREE_CODE) gets one band of width 1 centred on v."""
-    colors = list(PALETTE) + [_light(c) for c in PALETTE] + [IDLE_COLOR, CACHED_COLOR, FREE_COLOR]
-    n = len(colors)
-    scale = []
-    for v, col in enumerate(colors):
-        scale.append([v / n, col])
-        scale.append([(v + 1) / n, col])
-    return scale
-
-
-COLORSCALE = _code_colorscale()
-_ZRANGE = {"zmin": -0.5, "zmax": FREE_CODE + 0.5}
 
 
 def phase_code(color_index: int, phase: str) -> int:
@@ -66,74 +63,39 @@ def phase_code(color_index: int, phase: str) -> int:
     return IDLE_CODE
 
 
-def request_order(snapshots: Sequence[StepSnapshot]) -> list[str]:
-    """Request ids in order of first appearance (slots, then block tables), oldest step first."""
-    seen: dict[str, None] = {}
-    for snap in snapshots:
-        for s in snap.batch_slots:
-            if s.request_id is not None:
-                seen.setdefault(s.request_id)
-        for rid in snap.block_tables:
-            seen.setdefault(rid)
-    return list(seen)
-
-
-def default_colors(snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
-    """Palette index per request: order of first appearance, modulo the palette size."""
-    return {rid: i % K for i, rid in enumerate(request_order(snapshots))}
-
-
-class ColorAssigner:
-    """Stable request -> palette index across refreshes, never reusing a colour held by a live request.
-
-    A new request gets the palette index unused for the longest time among those not held by a
-    request seen in the latest update, so the requests on screen at once have distinct colours
-    (as long as there are fewer than ``len(PALETTE)`` of them).
-    """
-
-    def __init__(self, memory: int = 4096) -> None:
-        self._index: dict[str, int] = {}
-        self._last_used = [0] * K
-        self._tick = itertools.count(1)
-        self._memory = memory
-
-    def update(self, snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
-        """Assign colours to the requests in ``snapshots``; return the mapping for all of them."""
-        order = request_order(snapshots)
-        live = {self._index[r] for r in order if r in self._index}
-        for rid in order:
-            if rid not in self._index:
-                free = [i for i in range(K) if i not in live] or list(range(K))
-                idx = min(free, key=lambda i: self._last_used[i])
-                self._index[rid] = idx
-                live.add(idx)
-            self._last_used[self._index[rid]] = next(self._tick)
-        if len(self._index) > self._memory:  # forget the oldest entries (dicts keep insertion order)
-            for rid in list(self._index)[: len(self._index) - self._memory // 2]:
-                if rid not in order:
-                    del self._index[rid]
-        return {rid: self._index[rid] for rid in order}
-
-
 def occupancy_figure(
     snapshots: Sequence[StepSnapshot],
     colors: Mapping[str, int] | None = None,
     labels: Mapping[str, str] | None = None,
     height: int = 330,
+    num_slots: int | None = None,
+    window: int | None = None,
 ) -> go.Figure:
     """Slot-occupancy heatmap: x = engine step, y = batch slot, colour = request and phase.
 
     Trace 0 is the heatmap: ``z[slot][i]`` is :func:`phase_code` (None for an empty slot) and
-    ``customdata[slot][i]`` is ``(request id, phase label, tokens this step, tokens in cache)`` at step
-    ``x[i]`` (request id "" when empty). Trace 1 marks the cells where a request took its slot
-    (admission), so a finished request's slot being taken by a waiting one is visible.
+    ``customdata[slot][i]`` is ``(request id, phase label, tokens this step, tokens in cache, prefix-cache
+    hit tokens)`` at step ``x[i]`` (request id "" when empty). Trace 1 marks the cells where a request
+    took its slot (admission), so a finished request's slot being taken by a waiting one is visible.
+    Traces 2-4 are legend entries (prefill, decode, idle).
+
+    Args:
+        snapshots: the steps to draw, oldest first (may be empty).
+        colors: request id -> palette index (default: :func:`default_colors`).
+        labels: translated texts (keys of :data:`LABELS_EN`).
+        height: figure height (pixels).
+        num_slots: batch slots (``max_num_seqs``): that many rows are drawn even before the first step.
+        window: steps the x axis spans (the panel's window): with it, the axis is ``window`` steps wide
+            from the first step drawn (or ends at the last step once more are drawn), so cells keep their
+            width while the window fills; with no snapshots it is ``[0.5, window + 0.5]`` (default 96).
+            Without it and with snapshots, the axis spans exactly the steps drawn.
     """
     L = {**LABELS_EN, **(labels or {})}
     colors = dict(colors) if colors is not None else default_colors(snapshots)
     steps = [s.step for s in snapshots]
-    n_slots = max((len(s.batch_slots) for s in snapshots), default=0)
+    n_slots = max([len(s.batch_slots) for s in snapshots] + [num_slots or 0])
     z = [[None] * len(steps) for _ in range(n_slots)]
-    cd = [[("", "", 0, 0)] * len(steps) for _ in range(n_slots)]
+    cd = [[("", "", 0, 0, 0)] * len(steps) for _ in range(n_slots)]
     phase_name = {PHASE_PREFILL: L["prefill"], PHASE_DECODE: L["decode"], PHASE_IDLE: L["idle"]}
     adm_x, adm_y, adm_text = [], [], []
     for i, snap in enumerate(snapshots):
@@ -143,35 +105,95 @@ def occupancy_figure(
                 continue
             z[s.batch_slot][i] = phase_code(colors.get(s.request_id, 0), s.phase)
             cd[s.batch_slot][i] = (s.request_id, phase_name.get(s.phase, s.phase), s.num_scheduled_tokens,
-                             s.num_computed_tokens)
+                                   s.num_computed_tokens, s.num_cached_tokens)
             if s.request_id in admitted:
                 adm_x.append(snap.step)
                 adm_y.append(s.batch_slot)
                 adm_text.append(f"{L['admitted']}: {s.request_id}")
     hover = (f"{L['request']}: <b>%{{customdata[0]}}</b> (%{{customdata[1]}})<br>{L['step']}: %{{x}} · "
              f"{L['slot']}: %{{y}}<br>{L['tokens_step']}: %{{customdata[2]}}<br>"
-             f"{L['tokens_cache']}: %{{customdata[3]}}<extra></extra>")
+             f"{L['tokens_cache']}: %{{customdata[3]}}<br>{L['cache_hit_tokens']}: %{{customdata[4]}}<extra></extra>")
     fig = go.Figure()
     fig.add_trace(go.Heatmap(
         x=steps, y=list(range(n_slots)), z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE,
-        showscale=False, xgap=1, ygap=1, hoverongaps=False, name="slots", **_ZRANGE,
+        showscale=False, xgap=1, ygap=1, hoverongaps=False, name="slots", **ZRANGE,
     ))
     fig.add_trace(go.Scatter(
         x=adm_x, y=adm_y, mode="markers", name=L["admitted"], text=adm_text, hovertemplate="%{text}<extra></extra>",
         marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
     ))
-    for name, col in ((L["prefill"], _light(PALETTE[0])), (L["decode"], PALETTE[0]), (L["idle"], IDLE_COLOR)):
+    for name, col in ((L["prefill"], light_shade(PALETTE[0])), (L["decode"], PALETTE[0]), (L["idle"], IDLE_COLOR)):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker={"symbol": "square", "size": 10, "color": col}, hoverinfo="skip"))
     fig.update_layout(
         height=height, margin={"l": 50, "r": 10, "t": 34, "b": 40}, plot_bgcolor="white",
         legend={"orientation": "h", "y": -0.18, "x": 0}, uirevision="occupancy",
     )
-    x_range = [steps[0] - 0.5, steps[-1] + 0.5] if steps else None
-    fig.update_xaxes(title_text=L["step"], showgrid=False, zeroline=False, range=x_range)
-    fig.update_yaxes(title_text=L["slot"], showgrid=False, zeroline=False, range=[n_slots - 0.5, -0.5],
-                     dtick=1 if n_slots <= 16 else None)
+    fig.update_xaxes(title_text=L["step"], showgrid=False, zeroline=False, range=_step_range(steps, window))
+    if n_slots:
+        fig.update_yaxes(range=[n_slots - 0.5, -0.5], dtick=1 if n_slots <= 16 else None)
+    else:  # nothing known about the batch: an empty box, no invented slot numbers
+        fig.update_yaxes(range=[0.5, -0.5], tickvals=[])
+    fig.update_yaxes(title_text=L["slot"], showgrid=False, zeroline=False)
     return fig
+
+
+def _step_range(steps: Sequence[int], window: int | None) -> list[float] | None:
+    """The x range of the occupancy heatmap (see :func:`occupancy_figure`)."""
+    if not steps:
+        return [0.5, (window or DEFAULT_WINDOW) + 0.5]
+    if window is None:
+        return [steps[0] - 0.5, steps[-1] + 0.5]
+    hi = max(steps[-1], steps[0] + window - 1)
+    return [hi - window + 0.5, hi + 0.5]
+
+
+def occupancy_highlight(
+    snapshots: Sequence[StepSnapshot], request_id: str, labels: Mapping[str, str] | None = None,
+) -> go.Scatter | None:
+    """An outline around the cells of one request in :func:`occupancy_figure` (the "your request" mark).
+
+    One ``go.Scatter`` of lines in the heatmap's data coordinates (x = step, y = slot): a closed
+    rectangle around each run of consecutive steps the request held the same slot, runs separated by
+    None. It refers to no other trace, so it can be appended to the figure (``fig.add_trace``) or to its
+    JSON.
+
+    Args:
+        snapshots: the steps drawn by :func:`occupancy_figure`.
+        request_id: the request to outline.
+        labels: translated texts; the trace's name is ``labels["mine"]``.
+
+    Returns:
+        The trace, or None when the request holds no slot in ``snapshots``.
+    """
+    L = {**LABELS_EN, **(labels or {})}
+    cells = sorted((s.batch_slot, snap.step) for snap in snapshots for s in snap.batch_slots
+                   if s.request_id == request_id)
+    if not cells:
+        return None
+    rects = []  # (x0, x1, y0, y1) around each run of consecutive steps in one slot
+    for slot, step in cells:
+        if rects and rects[-1][4] == slot and rects[-1][1] == step - 1:
+            rects[-1][1] = step
+        else:
+            rects.append([step, step, slot, slot, slot])
+    x, y = _rect_path([(x0 - 0.5, x1 + 0.5, y0 - 0.5, y1 + 0.5) for x0, x1, y0, y1, _ in rects])
+    return _mine_trace(x, y, L["mine"])
+
+
+def _rect_path(rects: Sequence[tuple[float, float, float, float]]) -> tuple[list, list]:
+    """x and y of closed rectangles ``(x0, x1, y0, y1)`` in one line trace, separated by None."""
+    x: list = []
+    y: list = []
+    for x0, x1, y0, y1 in rects:
+        x += [x0, x1, x1, x0, x0, None]
+        y += [y0, y0, y1, y1, y0, None]
+    return x, y
+
+
+def _mine_trace(x: list, y: list, name: str) -> go.Scatter:
+    return go.Scatter(x=x, y=y, mode="lines", name=name, hoverinfo="skip", showlegend=True,
+                      line={"color": MINE_COLOR, "width": 3}, connectgaps=False)
 
 
 def block_grid_columns(num_blocks: int) -> int:
@@ -182,33 +204,55 @@ def block_grid_columns(num_blocks: int) -> int:
     return cols
 
 
+def _block_grid(snap: StepSnapshot | None, columns: int | None, num_blocks: int | None) -> tuple[int, int, int]:
+    """``(blocks, columns, rows)`` of the block map: the snapshot's pool size, else ``num_blocks``."""
+    n = snap.num_blocks if snap is not None and snap.num_blocks else (num_blocks or 0)
+    cols = columns or block_grid_columns(n)
+    return n, cols, (n + cols - 1) // cols
+
+
 def block_map_figure(
     snap: StepSnapshot | None,
     colors: Mapping[str, int] | None = None,
     labels: Mapping[str, str] | None = None,
     columns: int | None = None,
     height: int = 330,
+    num_blocks: int | None = None,
 ) -> go.Figure:
     """Physical KV block map: one cell per block, colour = owning request, blank = free.
 
-    Block ``b`` sits at row ``b // columns``, column ``b % columns``. Trace 0 is the heatmap (``z`` is
-    the owner's palette index, :data:`CACHED_CODE` for a free cached block, :data:`FREE_CODE` for a
-    free one, None past the last block; ``customdata`` holds ``(block id, owner ids joined by ", " or
-    the free state, tokens filled, refcount, times reused)``, (-1, ...) past the last block); trace 1
-    marks owned blocks that were reused (handed over from another request before); trace 2 marks
-    shared blocks (refcount > 1); trace 3 is the legend entry of cached-free blocks; trace 4 marks held
-    blocks that their request found in the prefix cache instead of computing them.
+    Block ``b`` sits at row ``b // columns``, column ``b % columns`` (x = column, y = row). Trace 0 is
+    the heatmap (``z`` is the owner's palette index, :data:`CACHED_CODE` for a free cached block,
+    :data:`FREE_CODE` for a free one, None past the last block; ``customdata`` holds ``(block id, owner
+    ids joined by ", " or the free state, tokens filled, refcount, times reused)``, (-1, ...) past the
+    last block); trace 1 marks owned blocks that were reused (handed over from another request before);
+    trace 2 marks shared blocks (refcount > 1); trace 3 is the legend entry of cached-free blocks;
+    trace 4 marks held blocks that their request found in the prefix cache instead of computing them;
+    trace 5 marks with a faint "x" the grid cells past the last block ("not in the pool"), which show
+    the grid colour.
+
+    Args:
+        snap: the step to draw, or None before the first step.
+        colors: request id -> palette index (default: :func:`default_colors`).
+        labels: translated texts (keys of :data:`LABELS_EN`).
+        columns: grid columns (default: :func:`block_grid_columns`).
+        height: figure height (pixels).
+        num_blocks: pool size (blocks), used when ``snap`` is None: the whole pool is drawn free. With
+            neither, the figure is blank (no traces).
     """
     L = {**LABELS_EN, **(labels or {})}
     fig = go.Figure()
-    if snap is None:
+    n, cols, rows = _block_grid(snap, columns, num_blocks)
+    if n == 0:
         fig.update_layout(height=height, margin={"l": 10, "r": 10, "t": 10, "b": 10})
         return fig
-    colors = dict(colors) if colors is not None else default_colors([snap])
-    n = snap.num_blocks
-    cols = columns or block_grid_columns(n)
-    rows = (n + cols - 1) // cols
-    owners = snap.block_owners()
+    colors = dict(colors) if colors is not None else default_colors([snap] if snap is not None else [])
+    if snap is not None:
+        owners, tokens, refcount, reuses = snap.block_owners(), snap.block_tokens, snap.block_refcount, snap.block_reuses
+        cached, hit_blocks = snap.cached_blocks, snap.cache_hit_blocks
+    else:
+        owners, tokens, refcount, reuses = [[]] * n, [0] * n, [0] * n, [0] * n
+        cached, hit_blocks = frozenset(), frozenset()
     z = [[None] * cols for _ in range(rows)]
     cd = [[(-1, "", 0, 0, 0)] * cols for _ in range(rows)]
     reused, shared, hits = ([], []), ([], []), ([], [])
@@ -218,25 +262,26 @@ def block_map_figure(
         if own:
             z[r][c] = colors.get(own[0], 0) % K
             state = ", ".join(own)
-            if snap.block_reuses[b] > 0:
+            if reuses[b] > 0:
                 reused[0].append(c), reused[1].append(r)
-            if snap.block_refcount[b] > 1:
+            if refcount[b] > 1:
                 shared[0].append(c), shared[1].append(r)
-            if b in snap.cache_hit_blocks:
+            if b in hit_blocks:
                 hits[0].append(c), hits[1].append(r)
-        elif b in snap.cached_blocks:
+        elif b in cached:
             z[r][c] = CACHED_CODE
             state = L["cached"]
         else:
             z[r][c] = FREE_CODE
             state = L["free"]
-        cd[r][c] = (b, state, snap.block_tokens[b], snap.block_refcount[b], snap.block_reuses[b])
+        cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b])
+    outside = [(c, rows - 1) for c in range(n - (rows - 1) * cols, cols)]
     hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
              f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
              f"{L['reused']}: %{{customdata[4]}}<extra></extra>")
     fig.add_trace(go.Heatmap(
         z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE, showscale=False, xgap=1, ygap=1,
-        hoverongaps=True, name="blocks", **_ZRANGE,
+        hoverongaps=False, name="blocks", **ZRANGE,
     ))
     fig.add_trace(go.Scatter(
         x=reused[0], y=reused[1], mode="markers", name=L["reused_marker"], hoverinfo="skip",
@@ -252,6 +297,12 @@ def block_map_figure(
         x=hits[0], y=hits[1], mode="markers", name=L["cache_hit"], hoverinfo="skip",
         marker={"symbol": "star", "size": 7, "color": "gold", "line": {"color": "black", "width": 0.5}},
     ))
+    fig.add_trace(go.Scatter(
+        x=[c for c, _ in outside], y=[r for _, r in outside], mode="markers", name=L["outside"],
+        showlegend=bool(outside), hovertemplate=f"{L['outside']}<extra></extra>",
+        marker={"symbol": "x-thin", "size": 7, "color": OUTSIDE_MARK_COLOR,
+                "line": {"color": OUTSIDE_MARK_COLOR, "width": 1}},
+    ))
     fig.update_layout(
         height=height, margin={"l": 40, "r": 10, "t": 34, "b": 30}, plot_bgcolor=GRID_COLOR,
         legend={"orientation": "h", "y": -0.08, "x": 0}, uirevision="blocks",
@@ -261,6 +312,47 @@ def block_map_figure(
     fig.update_yaxes(title_text=L["block"], range=[rows - 0.5, -0.5], showgrid=False, zeroline=False,
                      tickvals=list(range(0, rows, every)), ticktext=[str(r * cols) for r in range(0, rows, every)])
     return fig
+
+
+def block_map_highlight(
+    snap: StepSnapshot | None,
+    request_id: str,
+    labels: Mapping[str, str] | None = None,
+    columns: int | None = None,
+    num_blocks: int | None = None,
+) -> go.Scatter | None:
+    """An outline around the blocks of one request in :func:`block_map_figure` (the "your request" mark).
+
+    One ``go.Scatter`` of lines at the block map's coordinates (x = column, y = row): a closed rectangle
+    around each run of consecutive block ids of the request's block table that lie in one grid row. It
+    refers to no other trace, so it can be appended to the figure or to its JSON.
+
+    Args:
+        snap: the step drawn by :func:`block_map_figure`.
+        request_id: the request to outline.
+        labels: translated texts; the trace's name is ``labels["mine"]``.
+        columns, num_blocks: as given to :func:`block_map_figure` (the same grid).
+
+    Returns:
+        The trace, or None when ``snap`` is None or the request holds no block in it.
+    """
+    if snap is None or not snap.block_tables.get(request_id):
+        return None
+    L = {**LABELS_EN, **(labels or {})}
+    n, cols, _rows = _block_grid(snap, columns, num_blocks)
+    runs: list[list[int]] = []  # [first block, last block] of each run within a row
+    for b in sorted(set(snap.block_tables[request_id])):
+        if not 0 <= b < n:
+            continue
+        if runs and runs[-1][1] == b - 1 and b % cols:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    if not runs:
+        return None
+    rects = [(b0 % cols - 0.5, b1 % cols + 0.5, b0 // cols - 0.5, b0 // cols + 0.5) for b0, b1 in runs]
+    x, y = _rect_path(rects)
+    return _mine_trace(x, y, L["mine"])
 
 
 def rates_figure(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | None = None,
@@ -304,7 +396,15 @@ def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
 
 
 def _hit_rate(stats: Mapping[str, object]) -> str:
+    """The prefix-cache counter: over the last steps (``prefix_hit_rate_window``) when the stats have it,
+    else since the start; "-" when no prompt was looked up."""
+    if "prefix_hit_rate_window" in stats:
+        rate = stats["prefix_hit_rate_window"]
+        if rate is None:
+            return "-"
+        return (f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved_window', 0)} tok saved "
+                f"(last {stats.get('prefix_window_steps', '?')} steps)")
     rate = stats.get("prefix_hit_rate")
     if rate is None:
         return "-"
-    return f"{100 * float(rate):.0f} % hit · {stats.get('prefill_tokens_saved', 0)} tok saved"
+    return f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved', 0)} tok saved"

@@ -1,0 +1,134 @@
+"""Request colours of the live panels: a hand-chosen palette of named colours, the heatmap's colour codes,
+and the assignment of colours to requests that keeps the requests on screen at once apart.
+
+Every colour has a name a presenter can say aloud ("the teal request"): :data:`PALETTE_NAMES`,
+:func:`color_name`. tests/test_ui_figures.py checks that all its colours, their light (prefill) shades, grey,
+white and the cached colour are far apart in CIELAB (CIEDE2000).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import plotly.colors as pc
+
+from engine.telemetry import StepSnapshot
+
+# (hex, English name, Korean name); the first ones are the most distinct, since requests take them first.
+_NAMED_COLORS: tuple[tuple[str, str, str], ...] = (
+    ("#4265E9", "blue", "파랑"),
+    ("#EE7B27", "orange", "주황"),
+    ("#16A442", "green", "초록"),
+    ("#FA1531", "red", "빨강"),
+    ("#8231C0", "purple", "보라"),
+    ("#A2481A", "brown", "갈색"),
+    ("#E631A4", "magenta", "자홍"),
+    ("#098385", "teal", "청록"),
+    ("#BA9811", "gold", "금색"),
+    ("#202386", "navy", "남색"),
+    ("#728202", "olive", "올리브"),
+    ("#7F0E25", "maroon", "밤색"),
+    ("#B861F6", "violet", "연보라"),
+    ("#4CA1D5", "sky blue", "하늘색"),
+    ("#226509", "dark green", "진초록"),
+    ("#903770", "plum", "자두색"),
+)
+PALETTE: tuple[str, ...] = tuple(c for c, _, _ in _NAMED_COLORS)  # request colours (hex), 16
+PALETTE_NAMES: dict[str, tuple[str, ...]] = {
+    "en": tuple(en for _, en, _ in _NAMED_COLORS),
+    "ko": tuple(ko for _, _, ko in _NAMED_COLORS),
+}
+K = len(PALETTE)
+IDLE_CODE = 2 * K  # slot held by a request but not computed in this step
+CACHED_CODE = 2 * K + 1  # free block still holding a cached prefix
+FREE_CODE = 2 * K + 2  # free block (drawn blank)
+IDLE_COLOR = "#9E9E9E"
+CACHED_COLOR = "#B0BCCC"  # pale blue-grey: clearly darker than the grid lines and than white
+FREE_COLOR = "#FFFFFF"
+GRID_COLOR = "#E6E6E6"  # plot background seen through the gaps between cells (and in cells past the pool)
+OUTSIDE_MARK_COLOR = "#A6A6A6"  # the faint "x" of a grid cell past the last block
+MINE_COLOR = "#111111"  # outline of "your request"
+
+def color_name(index: int, lang: str = "en") -> str:
+    """The spoken name of palette colour ``index`` (taken modulo ``len(PALETTE)``), e.g. ``"teal"``.
+
+    Args:
+        index: a palette index, as given by :class:`ColorAssigner` or :func:`default_colors`.
+        lang: ``"en"`` or ``"ko"``; any other language gets the English name.
+    """
+    return PALETTE_NAMES.get(lang, PALETTE_NAMES["en"])[index % K]
+
+
+def light_shade(hex_color: str, amount: float = 0.55) -> str:
+    """The colour moved ``amount`` of the way to white (used for prefill cells)."""
+    rgb = pc.hex_to_rgb(hex_color)
+    return pc.label_rgb(pc.find_intermediate_color(rgb, (255, 255, 255), amount))
+
+
+def _code_colorscale() -> list[list]:
+    """A stepwise colorscale: code v (0..FREE_CODE) gets one band of width 1 centred on v."""
+    colors = list(PALETTE) + [light_shade(c) for c in PALETTE] + [IDLE_COLOR, CACHED_COLOR, FREE_COLOR]
+    n = len(colors)
+    scale = []
+    for v, col in enumerate(colors):
+        scale.append([v / n, col])
+        scale.append([(v + 1) / n, col])
+    return scale
+
+
+COLORSCALE = _code_colorscale()
+ZRANGE = {"zmin": -0.5, "zmax": FREE_CODE + 0.5}
+
+
+def request_order(snapshots: Sequence[StepSnapshot]) -> list[str]:
+    """Request ids in order of first appearance (slots, then block tables), oldest step first."""
+    seen: dict[str, None] = {}
+    for snap in snapshots:
+        for s in snap.batch_slots:
+            if s.request_id is not None:
+                seen.setdefault(s.request_id)
+        for rid in snap.block_tables:
+            seen.setdefault(rid)
+    return list(seen)
+
+
+def default_colors(snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
+    """Palette index per request: order of first appearance, modulo the palette size."""
+    return {rid: i % K for i, rid in enumerate(request_order(snapshots))}
+
+
+class ColorAssigner:
+    """Stable request -> palette index across refreshes, never reusing a colour held by a live request.
+
+    A new request gets the palette index unused for the longest time among those not held by a
+    request seen in the latest update, so the requests on screen at once have distinct colours
+    (as long as there are fewer than ``len(PALETTE)`` of them).
+    """
+
+    def __init__(self, memory: int = 4096) -> None:
+        self._index: dict[str, int] = {}
+        self._last_used = [0] * K
+        self._tick = itertools.count(1)
+        self._memory = memory
+
+    def update(self, snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
+        """Assign colours to the requests in ``snapshots``; return the mapping for all of them."""
+        order = request_order(snapshots)
+        live = {self._index[r] for r in order if r in self._index}
+        for rid in order:
+            if rid not in self._index:
+                free = [i for i in range(K) if i not in live] or list(range(K))
+                idx = min(free, key=lambda i: self._last_used[i])
+                self._index[rid] = idx
+                live.add(idx)
+            self._last_used[self._index[rid]] = next(self._tick)
+        if len(self._index) > self._memory:  # forget the oldest entries (dicts keep insertion order)
+            for rid in list(self._index)[: len(self._index) - self._memory // 2]:
+                if rid not in order:
+                    del self._index[rid]
+        return {rid: self._index[rid] for rid in order}
+
+    def index_of(self, request_id: str) -> int | None:
+        """The palette index given to ``request_id`` by :meth:`update`, or None if it has none (yet)."""
+        return self._index.get(request_id)
