@@ -23,6 +23,8 @@ from server.options import add_server_options, server_kwargs
 
 UI_OPTIONS: tuple[Option, ...] = (
     Option("refresh", float, 0.5, "seconds between panel refreshes in each tab", low=0, low_open=True),
+    Option("host_key", str, "", "talk mode in a shared demo: when set, only a page opened with ?host=<key> may "
+           "pause, step or slow the engine (on a Space, set CBP_HOST_KEY as a secret); empty: every page may"),
 )
 
 # num_blocks is the playground's default only when no KV size is given at all (--num-blocks and
@@ -83,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     engine = AsyncEngine.from_args(**engine_kwargs(args))
     atexit.register(engine.shutdown)
-    demo = build_app(engine, model_name=args.model, refresh_s=args.refresh)
+    demo = build_app(engine, model_name=args.model, refresh_s=args.refresh, host_key=args.host_key or None)
     if args.share:  # a gradio.live link needs demo.launch(); the OpenAI API is not served then
         engine.max_pending = args.max_pending
         launch(demo, server_name=args.host, server_port=args.port, share=True)

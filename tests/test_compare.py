@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+import socket
+
+import gradio as gr
 import pytest
 
-from ui import compare
+from ui import compare, i18n
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +50,116 @@ def test_both_generate_the_same_tokens_and_figures_share_the_axis(classic):
     assert s.texts == c.texts  # greedy: the policy changes when, not what
     fig_s, fig_c = compare.compare_figures(classic)
     assert fig_s.layout.xaxis.range == fig_c.layout.xaxis.range == (0.5, 9.5)
-    assert fig_s.layout.title.text.startswith("static: 9 steps · 5 idle slot-steps")
-    assert fig_c.layout.title.text.startswith("continuous: 7 steps · 0 idle slot-steps")
+    assert fig_s.layout.title.text == "static: 9 steps · 5 idle slot-steps"  # no tokens/s: too noisy here
+    assert fig_c.layout.title.text == "continuous: 7 steps · 0 idle slot-steps"
     # the heatmap holds D in slot 0 at step 3 under continuous
     z = fig_c.data[0]
     assert z.customdata[0][2][0] == "D"
-    assert "2 fewer steps" in compare.summary_markdown(classic, compare.PRESETS["classic"])
 
 
-def test_compare_tab_builds(tiny_model, tokenizer):
-    gr = pytest.importorskip("gradio")
+def test_headline_counts_steps_and_idle_slot_steps_in_english_and_korean(classic):
+    assert compare.headline_markdown(classic) == (
+        "### static 9 steps · 5 idle slot-steps → continuous 7 steps · 0 idle: 2 fewer steps (1.29x)")
+    assert compare.headline_markdown(classic, "ko") == (
+        "### 정적 배칭 9 스텝 · 유휴 슬롯-스텝 5 → 연속 배칭 7 스텝 · 유휴 0: 2 스텝 적음 (1.29배)")
+    assert "tokens/s" not in compare.headline_markdown(classic)
+
+
+def test_headline_when_static_loses_nothing(tiny_model, tokenizer):
+    runs = compare.run_compare(tiny_model, tokenizer, "uniform")
+    assert runs["static"].steps == runs["continuous"].steps
+    assert compare.headline_markdown(runs).endswith(": the same number of steps")
+    assert compare.headline_markdown(runs, "ko").endswith(": 스텝 수 같음")
+
+
+def test_figures_in_korean(classic):
+    fig_s, fig_c = compare.compare_figures(classic, lang="ko")
+    ko = i18n.figure_labels("ko")
+    assert fig_s.layout.title.text == "정적 배칭: 9 스텝 · 유휴 슬롯-스텝 5"
+    assert fig_c.layout.title.text == "연속 배칭: 7 스텝 · 유휴 슬롯-스텝 0"
+    for fig in (fig_s, fig_c):
+        assert fig.layout.xaxis.title.text == ko["step"] == "엔진 스텝"
+        assert fig.layout.yaxis.title.text == ko["slot"]
+        names = {tr.name for tr in fig.data[1:] if tr.name}
+        assert {ko["admitted"], ko["prefill"], ko["decode"], ko["idle"]} <= names
+        assert not names & {"admitted", "prefill", "decode", "idle (held)"}
+        assert ko["request"] in fig.data[0].hovertemplate
+    # English by default, and for a language we do not have
+    fig_en, _ = compare.compare_figures(classic, lang="fr")
+    assert fig_en.layout.xaxis.title.text == "engine step"
+    assert fig_en.layout.title.text == "static: 9 steps · 5 idle slot-steps"
+
+
+def test_preset_titles_in_both_languages():
+    for key, preset in compare.PRESETS.items():
+        assert preset.i18n_key == f"cmp_preset_{key}"
+        assert i18n.EN[preset.i18n_key] == preset.title == preset.title_for("en")  # one English text
+        assert preset.title_for("ko") == i18n.KO[preset.i18n_key] != preset.title
+    assert compare.PRESETS["classic"].title_for("ko").startswith("기본: 슬롯 3개")
+    custom = compare.ComparePreset("mine", "Mine: 2 slots", 2, (("A", "Hi.", 2),))
+    assert custom.i18n_key is None and custom.title_for("ko") == "Mine: 2 slots"
+
+
+def test_every_compare_text_has_a_korean_translation():
+    keys = [k for k in i18n.EN if k.startswith("cmp_")]
+    assert keys and all(k in i18n.KO and i18n.KO[k] != i18n.EN[k] for k in keys), keys
+    for k in keys:  # the server fills the same placeholders in both languages
+        assert re.findall(r"{(\w+)}", i18n.EN[k]) == re.findall(r"{(\w+)}", i18n.KO[k]) or k == "cmp_headline"
+    assert sorted(re.findall(r"{(\w+)}", i18n.EN["cmp_headline"])) == sorted(
+        re.findall(r"{(\w+)}", i18n.KO["cmp_headline"]))
+
+
+def _i18n_key(value) -> str | None:
+    """The translation key of a component's text (an ``I18nData``, or the string Gradio makes of one)."""
+    if isinstance(value, str) and value.startswith("__i18n__"):
+        return json.loads(value[len("__i18n__"):])["key"]
+    return getattr(value, "key", None)
+
+
+def test_compare_tab_is_one_row_of_two_equal_plots_with_translated_labels(tiny_model, tokenizer):
     with gr.Blocks() as demo:
         comps = compare.build_compare_tab((tiny_model, tokenizer))
     assert set(comps) == {"preset", "run", "summary", "static", "continuous"}
-    assert demo is not None
+    static, continuous = comps["static"], comps["continuous"]
+    row = static.parent
+    assert isinstance(row, gr.Row) and continuous.parent is row
+    assert row.children == [static, continuous]
+    assert static.scale == continuous.scale == 1 and row.equal_height
+    controls = comps["run"].parent  # workload and button: one row above (Gradio wraps the dropdown in a Form)
+    assert isinstance(controls, gr.Row) and comps["preset"].parent.parent is controls
+    # every visible text is a translation key the browser resolves (English or Korean)
+    assert _i18n_key(comps["run"].value) == "cbp_cmp_run"
+    assert _i18n_key(comps["summary"].value) == "cbp_cmp_hint"
+    assert _i18n_key(comps["preset"].label) == "cbp_cmp_workload"
+    assert [_i18n_key(label) for label, _ in comps["preset"].choices] == [
+        f"cbp_cmp_preset_{k}" for k in compare.PRESETS]
+    assert [v for _, v in comps["preset"].choices] == list(compare.PRESETS)
+    notes = [b for b in demo.blocks.values() if isinstance(b, gr.Markdown) and b.elem_id == "compare-note"]
+    assert len(notes) == 1 and _i18n_key(notes[0].value) == "cbp_cmp_note"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_compare_api_endpoint_answers_in_the_callers_language(tiny_model, tokenizer):
+    gradio_client = pytest.importorskip("gradio_client")
+    with gr.Blocks() as demo:
+        compare.build_compare_tab((tiny_model, tokenizer))
+    port = _free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        client = gradio_client.Client(url, verbose=False)  # no Accept-Language: English
+        headline, fig_s, fig_c = client.predict("classic", api_name="/compare")
+        assert headline == "### static 9 steps · 5 idle slot-steps → continuous 7 steps · 0 idle: 2 fewer steps (1.29x)"
+        assert fig_s and fig_c
+        client.close()
+        client = gradio_client.Client(url, verbose=False, headers={"Accept-Language": "ko-KR,ko;q=0.9,en;q=0.8"})
+        headline, _, _ = client.predict("classic", api_name="/compare")
+        assert headline.startswith("### 정적 배칭 9 스텝")
+        client.close()
+    finally:
+        demo.close()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.request import CompletionOutput, RequestOutput
-from ui.chat import ActiveRequests, ChatHandlers, message_text, sampling_params, to_messages
+from ui.chat import ActiveRequests, ChatHandlers, message_text, sampling_params, status_text, to_messages
 from ui.loadgen import LoadGenerator, synthetic_chat
 
 SKIP = {"__type__": "update"}
@@ -73,53 +73,104 @@ def test_sampling_params_from_controls():
         sampling_params(0.7, 0.0, 16, -1)
 
 
+def reply_of(history):
+    """The reply text and the status line's title of the last turn of a Chatbot value."""
+    status = next(m for m in reversed(history) if m.get("metadata"))
+    last = history[-1]
+    return ("" if last is status else last["content"]), status["metadata"]["title"]
+
+
 def test_respond_streams_then_leaves_textbox_alone():
     eng = StubEngine()
-    chat = ChatHandlers(eng)
+    chat = ChatHandlers(eng, poll_s=0.01)
     history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "reply"}]
     outs = asyncio.run(collect(chat.respond("  new question ", history, 0.0, 1.0, 16, 7, req())))
-    first_hist, first_box = outs[0]
-    assert first_box == "" and first_hist[-2:] == [{"role": "user", "content": "new question"},
-                                                    {"role": "assistant", "content": ""}]
-    assert all(box == SKIP for _, box in outs[1:])
-    assert [h[-1]["content"] for h, _ in outs[1:]] == ["Hello", "Hello there", "Hello there friend"]
+    first_hist, first_box, rid_out = outs[0]
+    assert first_box == "" and first_hist[-2] == {"role": "user", "content": "new question"}
+    assert first_hist[-1]["metadata"]["title"].startswith("⏳") and first_hist[-1]["metadata"]["status"] == "pending"
+    assert all(box == SKIP for _, box, _ in outs[1:])
+    replies = [reply_of(h)[0] for h, _, _ in outs[1:]]
+    assert [r for i, r in enumerate(replies) if r and r not in replies[:i]] == ["Hello", "Hello there",
+                                                                             "Hello there friend"]
+    text, title = reply_of(outs[-1][0])
+    assert text == "Hello there friend" and title.startswith("✓") and outs[-1][0][-2]["metadata"]["status"] == "done"
     rid, prompt, params = eng.calls[0]
-    assert rid.startswith("chat-") and prompt[-1] == {"role": "user", "content": "new question"}
+    assert rid == rid_out and rid.startswith("chat-") and prompt[-1] == {"role": "user", "content": "new question"}
     assert len(prompt) == 3 and params.seed == 7 and params.max_tokens == 16
     assert len(chat.active) == 0 and eng.aborted == []
+
+
+def test_status_lines_are_shown_but_never_sent_to_the_model():
+    history = [{"role": "user", "content": "q"},
+               {"role": "assistant", "content": "", "metadata": {"title": "✓ Finished: 3 tokens (stop)"}},
+               {"role": "assistant", "content": "a b c"}]
+    assert to_messages(history) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a b c"}]
+
+
+@pytest.mark.parametrize("state,tokens,paused,expect", [
+    (None, 0, False, "Sent"),
+    ({"state": "queued", "position": 2, "waiting": 5}, 0, False, "Queued: 2 of 5"),
+    ({"state": "queued", "position": 1, "waiting": 1}, 7, False, "Preempted"),
+    ({"state": "prefilling", "computed": 40, "prompt": 120}, 0, True, "40 of 120 prompt tokens · engine paused"),
+    ({"state": "decoding"}, 12, False, "Decoding: 12 tokens"),
+    ({"state": "done", "reason": "length"}, 16, True, "Finished: 16 tokens (length)"),
+    ({"state": "stopped"}, 3, False, "Stopped after 3 tokens"),
+])
+def test_status_text_names_each_state(state, tokens, paused, expect):
+    text, final = status_text("en", state, tokens, paused)
+    assert expect in text and final == ((state or {}).get("state") in ("done", "stopped", "failed"))
+    assert status_text("ko", state, tokens, paused)[0] != text  # translated
+
+
+def test_a_second_message_while_a_reply_streams_starts_nothing():
+    async def run():
+        gate = asyncio.Event()
+        eng = StubEngine(gate=gate)
+        chat = ChatHandlers(eng, poll_s=0.01)
+        first = chat.respond("a", [], 0.7, 0.9, 16, -1, req("s1"))
+        await first.__anext__()
+        second = await collect(chat.respond("b", [], 0.7, 0.9, 16, -1, req("s1")))  # e.g. a double click
+        gate.set()
+        rest = [x async for x in first]
+        return eng, second, rest
+
+    eng, second, rest = asyncio.run(run())
+    assert second == [(SKIP, SKIP, SKIP)] and len(eng.calls) == 1
+    assert reply_of(rest[-1][0])[0] == "Hello there friend"
 
 
 def test_empty_message_does_nothing():
     eng = StubEngine()
     outs = asyncio.run(collect(ChatHandlers(eng).respond("   ", [], 0.7, 0.9, 16, -1, req())))
-    assert outs == [(SKIP, SKIP)] and eng.calls == []
+    assert outs == [(SKIP, SKIP, SKIP)] and eng.calls == []
 
 
 def test_rejected_request_is_shown_in_the_chat():
-    chat = ChatHandlers(StubEngine(reject="prompt is longer than the context (9000 > 8192 tokens)"))
+    chat = ChatHandlers(StubEngine(reject="prompt is longer than the context (9000 > 8192 tokens)"), poll_s=0.01)
     outs = asyncio.run(collect(chat.respond("x", [], 0.7, 0.9, 16, -1, req())))
-    assert "longer than the context" in outs[-1][0][-1]["content"] and len(chat.active) == 0
+    text, title = reply_of(outs[-1][0])
+    assert "longer than the context" in text and title.startswith("⚠️") and len(chat.active) == 0
 
 
-def test_stop_aborts_only_the_callers_requests_and_closing_the_stream_closes_the_engine_stream():
+def test_stop_aborts_only_the_callers_requests_and_says_stopped():
     async def run():
         gate = asyncio.Event()
         eng = StubEngine(gate=gate)
-        chat = ChatHandlers(eng)
+        chat = ChatHandlers(eng, poll_s=0.01)
         a = chat.respond("a", [], 0.7, 0.9, 16, -1, req("s1"))
         b = chat.respond("b", [], 0.7, 0.9, 16, -1, req("s2"))
         await a.__anext__(), await b.__anext__()
-        ta, tb = asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())
-        await asyncio.sleep(0.01)
+        ta, tb = asyncio.ensure_future(collect(a)), asyncio.ensure_future(b.__anext__())
+        await asyncio.sleep(0.05)
         assert len(chat.active) == 2
         chat.stop(req("s1"))
         assert eng.aborted == [chat_ids(eng, "a")]
-        ta.cancel()  # what Gradio does to the Stop button's cancelled event
-        with pytest.raises(asyncio.CancelledError):
-            await ta
+        outs_a = await asyncio.wait_for(ta, 5)  # the reply ends on its own, with a "stopped" status line
+        assert reply_of(outs_a[-1][0])[1].startswith("⏹")
         gate.set()
         await tb
         await b.aclose()  # a tab that goes away: Gradio closes the generator
+        await asyncio.sleep(0.05)
         return eng, chat
 
     def chat_ids(eng, text):
@@ -157,8 +208,8 @@ def test_load_generator_runs_n_chats_and_stops():
         return eng, done, gen2, cancelled, eng2
 
     eng, done, gen2, cancelled, eng2 = asyncio.run(run())
-    assert len(eng.calls) == 5 and all(rid.startswith("load-") for rid, _, _ in eng.calls)
-    assert "5 requested · 5 started · 0 running · 5 finished" in done
+    assert len(eng.calls) == 5 and all(rid.startswith("load-1-") for rid, _, _ in eng.calls)
+    assert done == "run 1: 5 requested · 0 running · 0 waiting · 5 finished · 0 stopped · 0 failed"  # no telemetry
     assert cancelled >= 3 and gen2.stats.cancelled == 3 and gen2.active == 0
     assert sorted(eng2.closed) == sorted(rid for rid, _, _ in eng2.calls)
     with pytest.raises(ValueError):
@@ -198,3 +249,103 @@ def test_app_options_from_command_line_and_environment():
         app.parse_args(["--num-blocks", "64", "--kv-cache-memory", "1GiB"], env={})
     with pytest.raises(SystemExit):
         app.parse_args([], env={"CBP_POLICY": "bogus"})
+
+
+async def _until(cond, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_load_generator_status_counts_the_runs_ids_in_the_engine_snapshot():
+    from engine.telemetry import BatchSlotSnapshot, StepSnapshot
+
+    def snapshot(step, slots, running, waiting=(), finished=()):
+        return StepSnapshot(step=step, time=0.0, duration=0.0, forward_time=0.0,
+                            batch_slots=tuple(BatchSlotSnapshot(i, rid, "decode" if rid else "idle")
+                                              for i, rid in enumerate(slots)),
+                            block_tables={rid: (0,) for rid in running}, block_refcount=(1,), block_tokens=(1,),
+                            block_reuses=(0,), cached_blocks=frozenset(), num_running=len(running),
+                            num_waiting=len(waiting), num_scheduled_tokens=0, num_generated_tokens=0,
+                            num_preemptions=0, finished=tuple(finished), waiting=tuple(waiting))
+
+    async def run():
+        eng = StubEngine(gate=asyncio.Event())
+        eng.telemetry = SimpleNamespace(snap=None)
+        eng.telemetry.latest = lambda: eng.telemetry.snap
+        gen = LoadGenerator(eng, seed=2)
+        assert gen.status() == "no run yet"
+        gen.start(4, rate=1000.0)
+        await _until(lambda: len(eng.calls) == 4)
+        assert gen.status() == "run 1: 4 requested · 0 running · 0 waiting · 4 queued · 0 finished · 0 stopped · 0 failed"
+        a, b, c, _ = (rid for rid, _, _ in eng.calls)
+        # a runs; b held a slot in the step but ended in it; c waits behind another run's and a browser's
+        # requests; the fourth is not in the snapshot yet (queued)
+        eng.telemetry.snap = snapshot(7, [a, b, "load-11-x", None], running=[a, "load-11-x"],
+                                      waiting=["chat-y", "load-11-z", c], finished=[b])
+        line = gen.status()
+        assert line == "run 1: 4 requested · 1 running · 1 waiting · 1 queued · 0 finished · 0 stopped · 0 failed"
+        assert gen.status() == line  # counted once per snapshot, same answer
+        eng.telemetry.snap = snapshot(8, [a, b, c, None], running=[a, b, c])
+        assert gen.status().startswith("run 1: 4 requested · 3 running · 0 waiting · 1 queued")  # a new snapshot
+        gen.stop()
+        await _until(lambda: gen.active == 0)
+
+    asyncio.run(run())
+
+
+def test_load_generator_runs_follow_the_engine_and_restart_from_zero(tiny_model, tokenizer):
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=256, block_size=16, max_num_seqs=4), model=tiny_model,
+                                 tokenizer=tokenizer))
+
+    def engine_part(snap):  # the run's requests are the only ones in the engine: its counts are the run's
+        stats = eng.telemetry.stats()
+        assert (stats["running"], stats["waiting"]) == (snap.num_running, snap.num_waiting)
+        return f"{snap.num_running} running · {snap.num_waiting} waiting · 0 finished"
+
+    async def run():
+        eng.pause()  # paused: nothing runs but single steps, so the counts hold still
+        gen = LoadGenerator(eng, seed=5)
+        gen.start(6, rate=1000.0)
+        await _until(lambda: gen.stats.started == 6 and eng.core.stats().num_waiting == 6)
+        assert eng.telemetry.latest() is None  # no step yet: all six are queued, nothing raises
+        assert gen.status() == "run 1: 6 requested · 0 running · 0 waiting · 6 queued · 0 finished · 0 stopped · 0 failed"
+        eng.step_once()
+        await _until(lambda: eng.step_count == 1)
+        snap = eng.telemetry.latest()
+        assert snap.num_running > 0 and snap.num_running + snap.num_waiting == 6
+        assert gen.status() == f"run 1: 6 requested · {engine_part(snap)} · 0 stopped · 0 failed"
+        gen.start(2, rate=1000.0)  # while run 1 still has chats: they join run 1
+        await _until(lambda: gen.stats.started == 8)
+        assert gen.run == 1 and gen.stats.requested == 8
+        assert gen.status().startswith(f"run 1: 8 requested · {snap.num_running} running · {snap.num_waiting} waiting")
+        gen.stop()
+        await _until(lambda: gen.active == 0)
+        assert gen.stats.cancelled == 8 and gen.run == 1
+
+        gen.start(3, rate=1000.0)  # a new run: its counts start from zero; run 1's ids in the snapshot don't count
+        assert gen.run == 2 and gen.stats.cancelled == 0
+        assert gen.status() == "run 2: 3 requested · 0 running · 0 waiting · 0 finished · 0 stopped · 0 failed"
+        await _until(lambda: gen.stats.started == 3 and eng.core.stats().num_waiting == 3)
+        assert gen.status() == "run 2: 3 requested · 0 running · 0 waiting · 3 queued · 0 finished · 0 stopped · 0 failed"
+        eng.step_once()
+        await _until(lambda: eng.step_count == 2)
+        snap = eng.telemetry.latest()
+        assert snap.num_running > 0 and snap.num_running + snap.num_waiting == 3
+        assert all(s.request_id is None or s.request_id.startswith("load-2-") for s in snap.batch_slots)
+        assert gen.status() == f"run 2: 3 requested · {engine_part(snap)} · 0 stopped · 0 failed"
+        gen.stop()
+        await _until(lambda: gen.active == 0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        eng.resume()
+        eng.shutdown()

@@ -3,22 +3,31 @@
 Each browser tab (Gradio session) keeps its own conversation in its own ``gr.Chatbot`` value; the engine
 renders it with the model's chat template. The handler is an async generator, so many tabs stream at once
 on Gradio's event loop (the event is registered with ``concurrency_limit=None``) while the engine thread
-computes. Leaving the ``async for`` (Stop, a closed tab, a cancelled task) aborts the request in the
-engine, which frees its KV blocks at its next step.
+computes. Leaving the stream (Stop, a closed tab, a cancelled task) aborts the request in the engine,
+which frees its KV blocks at its next step (at once while the engine is paused).
+
+Every reply has a status line of its own (a Chatbot "thought" message above the reply, ``metadata.title``)
+that says where the request is, polled from the engine's telemetry a few times a second: sent, queued
+(position in the waiting queue), prefilling (n of m prompt tokens), decoding, preempted, finished or
+stopped, with "engine paused" while the presenter holds the engine; its ``log`` names the request and its
+colour in the panels. One reply at a time per tab: a message sent while a reply streams is refused with a
+warning (the Send button is disabled meanwhile), so a double click never starts a hidden second request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import gradio as gr
 
 from engine.async_engine import EngineOverloadedError
 from engine.request import SamplingParams
+from ui.i18n import language, state_text
 
 
 def message_text(content: Any) -> str:
@@ -44,6 +53,8 @@ def to_messages(history: list[dict] | None) -> list[dict[str, str]]:
         role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
         content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
         text = message_text(content)
+        if is_status(m):
+            continue
         if role in ("user", "assistant", "system") and (text or role == "user"):
             out.append({"role": role, "content": text})
     return out
@@ -88,16 +99,71 @@ class ActiveRequests:
         return sum(len(v) for v in self._by_session.values())
 
 
+def is_status(message: Any) -> bool:
+    """True for a status line (a Chatbot message with ``metadata.title``): shown, never sent to the model."""
+    meta = message.get("metadata") if isinstance(message, dict) else getattr(message, "metadata", None)
+    return bool(meta and meta.get("title"))
+
+
+def status_text(lang: str, state: dict | None, tokens: int, paused: bool) -> tuple[str, bool]:
+    """The status line of a streaming reply and whether it is final.
+
+    Args:
+        lang: ``"en"`` or ``"ko"``.
+        state: :meth:`engine.telemetry.Telemetry.request_state` of the request (None: not seen by the engine
+            yet), or ``{"state": "done" | "stopped" | "failed", "reason": str}`` from the stream's end.
+        tokens: tokens generated so far; a queued request that already generated some was preempted.
+        paused: the engine is paused (appends "engine paused" to a line that is not final).
+    """
+    kind = (state or {}).get("state")
+    final = kind in ("done", "stopped", "failed")
+    if kind == "queued":
+        key = "preempted" if tokens else "queued"
+        text = state_text(lang, key, position=state.get("position", "?"), waiting=state.get("waiting", "?"))
+    elif kind == "prefilling":
+        text = state_text(lang, "prefilling", computed=state["computed"], prompt=state["prompt"])
+    elif kind in ("decoding", "finished"):  # "finished" in the engine's last step; the stream ends next
+        text = state_text(lang, "decoding", tokens=tokens)
+    elif kind == "done":
+        text = state_text(lang, "finished", tokens=tokens, reason=state.get("reason") or "stop")
+    elif kind in ("stopped", "failed"):
+        text = state_text(lang, kind, tokens=tokens)
+    else:
+        text = state_text(lang, "sent")
+    if paused and not final:
+        text += state_text(lang, "paused")
+    return text, final
+
+
 class ChatHandlers:
     """The Gradio handlers of the chat column, bound to one engine.
 
     Args:
-        engine: the process's ``AsyncEngine`` (only ``generate`` and ``abort`` are used).
+        engine: the process's ``AsyncEngine`` (``generate`` and ``abort``; ``telemetry.request_state`` and
+            ``paused`` for the status line when the engine has them).
+        describe: ``(request id, lang) -> colour name`` of the request in the panels (None until drawn).
+        poll_s: how often a waiting reply re-reads its request's state (seconds).
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, describe: Callable[[str, str], str | None] | None = None,
+                 poll_s: float = 0.25) -> None:
         self.engine = engine
         self.active = ActiveRequests()
+        self.describe = describe
+        self.poll_s = poll_s
+        self._stopping: set[str] = set()
+
+    def _state(self, request_id: str) -> dict | None:
+        telemetry = getattr(self.engine, "telemetry", None)
+        getter = getattr(telemetry, "request_state", None)
+        return getter(request_id) if getter is not None else None
+
+    def _status(self, lang: str, request_id: str, state: dict | None, tokens: int) -> dict:
+        text, final = status_text(lang, state, tokens, bool(getattr(self.engine, "paused", False)))
+        color = self.describe(request_id, lang) if self.describe is not None else None
+        meta = {"title": text, "log": state_text(lang, "mine", rid=request_id, color=color or "…"),
+                "status": "done" if final else "pending"}
+        return {"role": "assistant", "content": "", "metadata": meta}
 
     async def respond(
         self,
@@ -109,46 +175,99 @@ class ChatHandlers:
         seed: float | None,
         request: gr.Request,
     ) -> AsyncIterator[tuple]:
-        """Stream the assistant's reply to ``message``: yields ``(chatbot value, textbox value)``.
+        """Stream the assistant's reply to ``message``: yields ``(chatbot value, textbox value, request id)``.
 
-        The first yield shows the user's message and clears the textbox; later ones leave the textbox
-        alone (``gr.skip()``) so the user can type the next message while the reply streams.
+        The first yield shows the user's message and the reply's status line and clears the textbox; later
+        ones leave the textbox alone (``gr.skip()``) so the user can type the next message while the reply
+        streams. While this session already streams a reply, nothing starts: a warning says so and the
+        message stays in the textbox.
         """
         message = (message or "").strip()
-        if not message:
-            yield (gr.skip(), gr.skip())
-            return
-        messages = to_messages(history) + [{"role": "user", "content": message}]
-        try:
-            params = sampling_params(temperature, top_p, max_new_tokens, seed)
-        except (TypeError, ValueError) as exc:
-            raise gr.Error(str(exc)) from exc
-        def shown(reply: str) -> list[dict[str, str]]:  # a new list per yield: Gradio diffs old vs new
-            return [*messages, {"role": "assistant", "content": reply}]
-
-        yield (shown(""), "")
         session = getattr(request, "session_hash", None) or "anonymous"
+        headers = getattr(request, "headers", None) or {}
+        lang = language(headers.get("accept-language"))
+        if not message:
+            yield (gr.skip(), gr.skip(), gr.skip())
+            return
+        if self.active.of(session):  # checked and claimed with no await in between: one reply per tab
+            gr.Warning(state_text(lang, "busy"))
+            yield (gr.skip(), gr.skip(), gr.skip())
+            return
         request_id = f"chat-{uuid.uuid4().hex[:8]}"
         self.active.add(session, request_id)
         try:
-            async with contextlib.aclosing(self.engine.generate(messages, params, request_id=request_id)) as stream:
-                async for out in stream:
-                    text = out.text
-                    if out.error:
-                        text = f"{text}\n\n⚠️ {out.error}" if text else f"⚠️ {out.error}"
-                    if out.delta or out.finished or out.error:
-                        yield (shown(text), gr.skip())
-        except ValueError as exc:  # rejected at admission (e.g. prompt longer than the context)
-            yield (shown(f"⚠️ {exc}"), gr.skip())
-        except EngineOverloadedError as exc:  # too many requests in flight: ask to retry
-            yield (shown(f"⏳ {exc}"), gr.skip())
+            messages = to_messages(history) + [{"role": "user", "content": message}]
+            try:
+                params = sampling_params(temperature, top_p, max_new_tokens, seed)
+            except (TypeError, ValueError) as exc:
+                raise gr.Error(str(exc)) from exc
+            async for item in self._stream(history, message, messages, params, request_id, lang):
+                yield item
         finally:
             self.active.discard(session, request_id)
+            self._stopping.discard(request_id)
+
+    async def _stream(self, history, message, messages, params, request_id, lang) -> AsyncIterator[tuple]:
+        shown_before = [*(history or []), {"role": "user", "content": message}]
+
+        def shown(status: dict, reply: str) -> list[dict]:  # a new list per yield: Gradio diffs old vs new
+            return [*shown_before, status, *([{"role": "assistant", "content": reply}] if reply else [])]
+
+        text, tokens = "", 0
+        status = self._status(lang, request_id, None, 0)
+        yield (shown(status, ""), "", request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.get_running_loop().create_task(self._pump(messages, params, request_id, queue))
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(queue.get(), timeout=self.poll_s)
+                except TimeoutError:
+                    out = None
+                if request_id in self._stopping:
+                    final = {"state": "stopped"}
+                elif isinstance(out, BaseException):
+                    text = f"⚠️ {out}" if isinstance(out, ValueError) else f"⏳ {out}"
+                    final = {"state": "failed"}
+                elif out is not None:
+                    text, tokens = out.text, len(out.token_ids)
+                    if out.error:
+                        text = f"{text}\n\n⚠️ {out.error}" if text else f"⚠️ {out.error}"
+                    final = None
+                    if out.finished:
+                        reason = out.outputs[0].finish_reason if out.outputs else None
+                        final = ({"state": "failed"} if out.error else
+                                 {"state": "stopped"} if reason == "abort" else
+                                 {"state": "done", "reason": reason})
+                else:
+                    final = None
+                state = final or self._state(request_id)
+                new_status = self._status(lang, request_id, state, tokens)
+                if out is not None or final is not None or new_status != status:
+                    status = new_status
+                    yield (shown(status, text), gr.skip(), gr.skip())
+                if final is not None:
+                    return
+        finally:
+            pump.cancel()  # closes the engine stream: a request that did not finish is aborted
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+
+    async def _pump(self, messages, params, request_id: str, queue: asyncio.Queue) -> None:
+        """Copy the engine stream's outputs into ``queue``; an admission error is put there too."""
+        try:
+            async with contextlib.aclosing(self.engine.generate(messages, params, request_id=request_id)) as stream:
+                async for out in stream:
+                    queue.put_nowait(out)
+        except (ValueError, EngineOverloadedError) as exc:  # refused at admission: shown in the bubble
+            queue.put_nowait(exc)
 
     def stop(self, request: gr.Request) -> None:
-        """Abort every request the calling session is streaming (its KV blocks are freed at once)."""
+        """Stop every reply the calling session is streaming: its request is aborted in the engine (KV
+        blocks freed at its next step, at once while paused) and its status line says "stopped"."""
         session = getattr(request, "session_hash", None) or "anonymous"
         for request_id in self.active.of(session):
+            self._stopping.add(request_id)
             self.engine.abort(request_id)
 
     def unload(self, request: gr.Request) -> None:

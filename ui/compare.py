@@ -8,6 +8,10 @@ touched: its scheduler, KV cache and telemetry stay as they are.
 The first preset is the classic picture: three slots; A, B and C need 2, 5 and 3 new tokens, D and E
 (4 tokens each) wait. Under ``static``, D and E start only after B's fifth token (step 6); under
 ``continuous``, D takes A's slot in step 3 and E takes C's slot in step 4.
+
+The tab is one slide at 1366x768: workload and button, a one-line headline (steps and idle slot-steps of
+both runs; no tokens/s, which swing by a third between identical runs of such a small workload), then the
+two grids side by side. Texts are English or Korean (``ui.i18n`` keys ``cmp_*``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import gradio as gr
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import SamplingParams
 from engine.telemetry import PHASE_IDLE, StepSnapshot
-from ui import figures
+from ui import figures, i18n
+
+PLOT_HEIGHT = 280  # pixels per grid: header, controls, headline and both grids fit a 1366x768 screen
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,8 @@ class ComparePreset:
 
     Attributes:
         key: short name (dropdown value).
-        title: one line shown in the dropdown.
+        title: one line shown in the dropdown, in English; the page shows the ``ui.i18n`` text
+            ``cmp_preset_<key>`` when there is one (Korean under a Korean browser), see :meth:`title_for`.
         max_num_seqs: batch slots of both engines.
         requests: ``(request id, user message, max_tokens)``, queued in this order at step 0 (greedy,
             EOS ignored, so each request generates exactly ``max_tokens`` tokens).
@@ -39,6 +48,17 @@ class ComparePreset:
     title: str
     max_num_seqs: int
     requests: tuple[tuple[str, str, int], ...]
+
+    @property
+    def i18n_key(self) -> str | None:
+        """The ``ui.i18n`` key of the translated title, or None when this preset has none."""
+        key = f"cmp_preset_{self.key}"
+        return key if key in i18n.EN else None
+
+    def title_for(self, lang: str) -> str:
+        """The title in ``lang``: the Korean text for "ko" when there is one, else :attr:`title`."""
+        key = self.i18n_key
+        return i18n.KO.get(key, self.title) if key and lang == "ko" else self.title
 
 
 PRESETS: dict[str, ComparePreset] = {
@@ -92,7 +112,7 @@ class PolicyRun:
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time."""
+        """Generated tokens per second of wall time (noisy on the small presets: the tab shows steps only)."""
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
@@ -147,15 +167,35 @@ def run_compare(model, tokenizer, preset: ComparePreset | str = "classic", **kwa
     return {policy: run_policy(model, tokenizer, preset, policy, **kwargs) for policy in ("static", "continuous")}
 
 
-def run_label(run: PolicyRun) -> str:
-    """``"static: 9 steps · 6 idle slot-steps · 12.3 tokens/s"``."""
-    return (f"{run.policy}: {run.steps} steps · {run.idle_slot_steps} idle slot-steps · "
-            f"{run.tokens_per_s:.1f} tokens/s")
+def text(lang: str, key: str, **values: Any) -> str:
+    """The Compare tab's text ``key`` (``ui.i18n`` key ``cmp_<key>``) in ``lang`` ("ko" or English), with
+    ``values`` filled in; for text drawn on the server (headline, figure titles)."""
+    table = i18n.KO if lang == "ko" else i18n.EN
+    template = table.get("cmp_" + key) or i18n.EN["cmp_" + key]
+    return template.format(**values) if values else template
 
 
-def compare_figures(runs: dict[str, PolicyRun], labels: dict | None = None, height: int = 300):
+def run_label(run: PolicyRun, lang: str = "en") -> str:
+    """``"static: 9 steps · 5 idle slot-steps"`` (``"정적 배칭: 9 스텝 · 유휴 슬롯-스텝 5"`` in Korean).
+
+    No tokens/s: on a workload this small the wall time is dominated by noise (the same run swings by a
+    third), while the step counts are exact."""
+    return text(lang, "run_label", policy=text(lang, run.policy), steps=run.steps, idle=run.idle_slot_steps)
+
+
+def compare_figures(runs: dict[str, PolicyRun], labels: dict | None = None, height: int = PLOT_HEIGHT,
+                    lang: str = "en"):
     """Two slot-occupancy figures (``static``, ``continuous``) with the same request colours and the same
-    step axis, titled with their step counts, idle slot-steps and tokens/s."""
+    step axis, titled with their step counts and idle slot-steps (:func:`run_label`).
+
+    Args:
+        runs: :func:`run_compare`'s result.
+        labels: axis, legend and hover labels (default: ``ui.i18n.figure_labels(lang)``).
+        height: height of each figure (pixels).
+        lang: language of the titles and default labels ("en" or "ko").
+    """
+    if labels is None:
+        labels = i18n.figure_labels(lang)
     all_snaps = [s for r in runs.values() for s in r.snapshots]
     colors = figures.default_colors(all_snaps)
     last = max((r.steps for r in runs.values()), default=1)
@@ -163,40 +203,47 @@ def compare_figures(runs: dict[str, PolicyRun], labels: dict | None = None, heig
     for policy in ("static", "continuous"):
         run = runs[policy]
         fig = figures.occupancy_figure(run.snapshots, colors, labels, height=height)
-        fig.update_layout(title={"text": run_label(run), "x": 0.01, "font": {"size": 14}}, uirevision=None,
-                          margin={"t": 40})
-        fig.update_xaxes(range=[0.5, last + 0.5], dtick=1 if last <= 40 else None)
-        if last <= 40:  # small grids: name each request in the cell where it took its slot
+        fig.update_layout(title={"text": run_label(run, lang), "x": 0.01, "y": 0.98, "yanchor": "top",
+                                 "font": {"size": 15}},
+                          uirevision=None, margin={"t": 36, "b": 40, "l": 50, "r": 10},
+                          legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 0.5, "yanchor": "middle",
+                                  "font": {"size": 12}})
+        fig.update_xaxes(range=[0.5, last + 0.5], dtick=1 if last <= 24 else None)
+        if last <= 30:  # small grids: name each request in the cell where it took its slot
             for snap in run.snapshots:
                 for sl in snap.batch_slots:
                     if sl.request_id in snap.admitted:
                         fig.add_annotation(x=snap.step, y=sl.batch_slot, text=f"<b>{sl.request_id}</b>", showarrow=False,
-                                           xshift=14, font={"size": 12, "color": "black"})
+                                           xshift=12, font={"size": 12, "color": "black"})
         out.append(fig)
     return tuple(out)
 
 
-def summary_markdown(runs: dict[str, PolicyRun], preset: ComparePreset) -> str:
-    """A short Markdown comparison of the two runs."""
+def headline_markdown(runs: dict[str, PolicyRun], lang: str = "en") -> str:
+    """One Markdown heading line comparing the two runs by steps and idle slot-steps, in ``lang`` ("en" or
+    "ko"): ``"### static 9 steps · 5 idle slot-steps → continuous 7 steps · 0 idle: 2 fewer steps (1.29x)"``.
+    """
     s, c = runs["static"], runs["continuous"]
-    lines = [
-        f"**{preset.title}**",
-        "",
-        "| policy | steps | idle slot-steps | tokens/s |",
-        "|---|---:|---:|---:|",
-        f"| static | {s.steps} | {s.idle_slot_steps} | {s.tokens_per_s:.1f} |",
-        f"| continuous | {c.steps} | {c.idle_slot_steps} | {c.tokens_per_s:.1f} |",
-        "",
-    ]
-    if c.steps:
-        lines.append(f"Continuous batching needs {s.steps - c.steps} fewer steps ({s.steps / c.steps:.2f}x): a "
-                     "finished request's slot is given to a waiting one at the very next step instead of "
-                     "staying empty until the whole batch is done.")
-    return "\n".join(lines)
+    diff = s.steps - c.steps
+    if diff > 0 and c.steps:
+        delta = text(lang, "fewer", n=diff, ratio=f"{s.steps / c.steps:.2f}")
+    elif diff == 0:
+        delta = text(lang, "same")
+    else:
+        delta = text(lang, "more", n=abs(diff))
+    return "### " + text(lang, "headline", static=text(lang, "static"), continuous=text(lang, "continuous"),
+                         s_steps=s.steps, s_idle=s.idle_slot_steps, c_steps=c.steps, c_idle=c.idle_slot_steps,
+                         delta=delta)
 
 
 def build_compare_tab(engine: Any, default: str = "classic") -> dict:
     """Create the Compare tab's components in the current Gradio context (call inside ``with gr.Tab(...)``).
+
+    One slide at 1366x768: the workload and the button in one row, a one-line headline (steps and idle
+    slot-steps of both runs), the two grids side by side in one row (equal widths, :data:`PLOT_HEIGHT`
+    pixels high), then a short explanation below them. Component texts follow the browser's language
+    (``gr.I18n``); the headline and the figures' texts follow the request's Accept-Language (English
+    when it has none, e.g. a ``gradio_client`` call).
 
     Args:
         engine: the app's ``AsyncEngine`` (its model object and tokenizer are reused; its state is not
@@ -204,32 +251,30 @@ def build_compare_tab(engine: Any, default: str = "classic") -> dict:
         default: preset selected at first.
 
     Returns:
-        The components by name: ``preset``, ``run``, ``summary``, ``static``, ``continuous``. The button's
-        event is the API endpoint ``/compare`` (preset key -> summary, static figure, continuous figure),
-        one run at a time.
+        The components by name: ``preset``, ``run``, ``summary`` (the headline), ``static``, ``continuous``.
+        The button's event is the API endpoint ``/compare`` (preset key -> headline, static figure,
+        continuous figure), one run at a time.
     """
-    import gradio as gr
+    t = i18n.t
 
-    def on_run(key: str):
+    def on_run(key: str, request: gr.Request):
+        lang = i18n.language(request.headers.get("accept-language") if request is not None else None)
         model, tokenizer = model_of(engine)
         preset = PRESETS.get(key) or PRESETS[default]
         runs = run_compare(model, tokenizer, preset)
-        fig_s, fig_c = compare_figures(runs)
-        return summary_markdown(runs, preset), fig_s, fig_c
+        fig_s, fig_c = compare_figures(runs, lang=lang)
+        return headline_markdown(runs, lang), fig_s, fig_c
 
-    gr.Markdown(
-        "Run the same requests through two fresh engines on the loaded model: **static** batching (a batch "
-        "starts only when the previous one is done) and **continuous** batching (a freed slot is refilled at "
-        "the next step). Each row is a batch slot, each column an engine step; ▷ marks where a request took "
-        "its slot, grey cells are slots held by a finished request. Your chats are not affected.",
-        elem_classes="cbp-note",
-    )
-    with gr.Row():
-        preset = gr.Dropdown(choices=[(p.title, k) for k, p in PRESETS.items()], value=default, label="Workload",
-                             scale=4, elem_id="compare-preset")
-        run = gr.Button("Run static, then continuous", variant="primary", scale=1, elem_id="compare-run")
-    summary = gr.Markdown(elem_id="compare-summary")
-    static = gr.Plot(label="static", elem_id="compare-static")
-    continuous = gr.Plot(label="continuous", elem_id="compare-continuous")
+    with gr.Row(equal_height=True, elem_id="compare-controls"):
+        choices = [(t(p.i18n_key) if p.i18n_key else p.title, k) for k, p in PRESETS.items()]
+        preset = gr.Dropdown(choices=choices, value=default, label=t("cmp_workload"), show_label=False, scale=3,
+                             min_width=320, elem_id="compare-preset")
+        run = gr.Button(t("cmp_run"), variant="primary", scale=1, min_width=200, elem_id="compare-run")
+    summary = gr.Markdown(t("cmp_hint"), elem_id="compare-summary")
+    with gr.Row(equal_height=True, elem_id="compare-plots"):
+        static = gr.Plot(label=t("cmp_static"), show_label=False, scale=1, min_width=300, elem_id="compare-static")
+        continuous = gr.Plot(label=t("cmp_continuous"), show_label=False, scale=1, min_width=300,
+                             elem_id="compare-continuous")
+    gr.Markdown(t("cmp_note"), elem_classes="cbp-note", elem_id="compare-note")
     run.click(on_run, preset, [summary, static, continuous], api_name="compare", concurrency_limit=1)
     return {"preset": preset, "run": run, "summary": summary, "static": static, "continuous": continuous}

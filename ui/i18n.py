@@ -59,6 +59,22 @@ EN = {
     "occupancy": "Slot occupancy per engine step", "blocks": "Physical KV block map",
     "rates": "Running / waiting requests and KV usage", "window": "Steps shown", "live": "Live updates",
     "how_title": "How it works", "how": HOW_EN, "engine": "Engine",
+    "pause": "‖ Pause", "resume": "▶ Resume", "step": "▶| Step", "slow_motion": "Slow motion (min. seconds per step)",
+    "look_back": "Look back (steps before the newest; 0 = live)",
+    "cmp_note": "Two fresh engines on the loaded model run the same requests: **static** batching (the next batch "
+                "starts when the whole batch is done), then **continuous** (a freed slot is refilled at the next "
+                "step). Rows: batch slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by "
+                "a finished request. Your chats are not affected.",
+    "cmp_workload": "Workload", "cmp_run": "Run static, then continuous",
+    "cmp_static": "static", "cmp_continuous": "continuous",
+    "cmp_hint": "Pick a workload and press the button: the step counts of both runs appear here.",
+    "cmp_preset_classic": "Classic: 3 slots; A, B, C need 2, 5, 3 tokens; D and E wait",
+    "cmp_preset_skewed": "Skewed: 4 slots, 12 chats of 3 to 40 tokens",
+    "cmp_preset_uniform": "Uniform: 4 slots, 8 chats of 8 tokens each (static loses nothing)",
+    "cmp_run_label": "{policy}: {steps} steps · {idle} idle slot-steps",
+    "cmp_headline": "{static} {s_steps} steps · {s_idle} idle slot-steps → {continuous} {c_steps} steps · "
+                    "{c_idle} idle: {delta}",
+    "cmp_fewer": "{n} fewer steps ({ratio}x)", "cmp_same": "the same number of steps", "cmp_more": "{n} more steps",
 }
 
 KO = {
@@ -78,6 +94,21 @@ KO = {
     "occupancy": "엔진 스텝별 슬롯 점유", "blocks": "물리 KV 블록 맵",
     "rates": "실행/대기 요청 수와 KV 사용률", "window": "표시할 스텝 수", "live": "실시간 갱신",
     "how_title": "어떻게 동작하나요?", "how": HOW_KO, "engine": "엔진",
+    "pause": "‖ 일시 정지", "resume": "▶ 계속", "step": "▶| 한 스텝", "slow_motion": "슬로 모션 (스텝당 최소 초)",
+    "look_back": "되돌아보기 (최신 스텝에서 몇 스텝 전; 0 = 실시간)",
+    "cmp_note": "불러온 모델 위의 새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 "
+                "배치 시작), 이어서 **연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: "
+                "요청이 슬롯을 받음, 회색: 끝난 요청이 자리만 차지한 슬롯. 내 채팅에는 영향이 없습니다.",
+    "cmp_workload": "워크로드", "cmp_run": "정적 배칭, 이어서 연속 배칭 실행",
+    "cmp_static": "정적 배칭", "cmp_continuous": "연속 배칭",
+    "cmp_hint": "워크로드를 고르고 버튼을 누르면 두 실행의 스텝 수가 여기에 나옵니다.",
+    "cmp_preset_classic": "기본: 슬롯 3개; A, B, C는 토큰 2, 5, 3개 필요; D와 E는 대기",
+    "cmp_preset_skewed": "편중: 슬롯 4개, 토큰 3~40개짜리 채팅 12개",
+    "cmp_preset_uniform": "균일: 슬롯 4개, 토큰 8개짜리 채팅 8개 (정적 배칭도 손해 없음)",
+    "cmp_run_label": "{policy}: {steps} 스텝 · 유휴 슬롯-스텝 {idle}",
+    "cmp_headline": "{static} {s_steps} 스텝 · 유휴 슬롯-스텝 {s_idle} → {continuous} {c_steps} 스텝 · "
+                    "유휴 {c_idle}: {delta}",
+    "cmp_fewer": "{n} 스텝 적음 ({ratio}배)", "cmp_same": "스텝 수 같음", "cmp_more": "{n} 스텝 더 많음",
 }
 
 PREFIX = "cbp_"  # Gradio's own translations use keys such as "blocks" and "chat": keep ours apart
@@ -92,6 +123,7 @@ FIGURE_LABELS = {
         "filled": "채워진 토큰", "refcount": "참조 수", "reused": "재사용 횟수", "shared": "공유 블록", "cache_hit": "프리픽스 캐시 적중",
         "reused_marker": "재사용된 블록", "running": "실행 중", "waiting": "대기 중", "kv": "KV 사용률 %",
         "prefill": "프리필", "decode": "디코드", "idle": "유휴 (점유)",
+        "outside": "풀 밖", "mine": "내 요청", "cache_hit_tokens": "프리픽스 캐시 적중 토큰",
     },
 }
 
@@ -115,3 +147,47 @@ def language(accept_language: str | None) -> str:
 def figure_labels(lang: str) -> dict[str, str]:
     """Axis, legend and hover labels of the figures in ``lang`` (English when unknown)."""
     return FIGURE_LABELS.get(lang, FIGURE_LABELS["en"])
+
+
+# What a chat's own bubble says about its request (server-side: chosen from the request's Accept-Language).
+STATE_TEXTS = {
+    "en": {
+        "sent": "⏳ Sent to the engine",
+        "queued": "⏳ Queued: {position} of {waiting} waiting (every batch slot is busy)",
+        "prefilling": "⚙️ Prefilling: {computed} of {prompt} prompt tokens",
+        "decoding": "✍️ Decoding: {tokens} tokens",
+        "preempted": "⏸ Preempted: its blocks were reclaimed; queued again ({position} of {waiting}), it will recompute",
+        "finished": "✓ Finished: {tokens} tokens ({reason})",
+        "stopped": "⏹ Stopped after {tokens} tokens",
+        "failed": "⚠️ Failed",
+        "paused": " · engine paused",
+        "mine": "your request {rid} · {color}",
+        "mine_panel": "Your request: **{rid}**, **{color}**, outlined in both panels.",
+        "busy": "A reply is still streaming: wait for it to end, or press Stop.",
+        "host_only": "Only the host can pause, step or slow the engine here.",
+    },
+    "ko": {
+        "sent": "⏳ 엔진에 보냄",
+        "queued": "⏳ 대기 중: 대기열 {waiting}개 중 {position}번째 (배치 슬롯이 모두 사용 중)",
+        "prefilling": "⚙️ 프리필 중: 프롬프트 토큰 {prompt}개 중 {computed}개",
+        "decoding": "✍️ 디코딩 중: 토큰 {tokens}개",
+        "preempted": "⏸ 선점됨: 블록을 돌려주고 다시 대기 중 ({waiting}개 중 {position}번째), 다시 계산합니다",
+        "finished": "✓ 완료: 토큰 {tokens}개 ({reason})",
+        "stopped": "⏹ 토큰 {tokens}개 후 중지됨",
+        "failed": "⚠️ 실패",
+        "paused": " · 엔진 일시 정지",
+        "mine": "내 요청 {rid} · {color}",
+        "mine_panel": "내 요청: **{rid}**, **{color}**, 두 패널에서 테두리로 표시됩니다.",
+        "busy": "아직 답변을 받는 중입니다. 끝날 때까지 기다리거나 중지를 누르세요.",
+        "host_only": "여기서는 진행자만 엔진을 멈추거나 한 스텝씩 실행하거나 느리게 할 수 있습니다.",
+    },
+}
+
+
+def state_text(lang: str, key: str, **values) -> str:
+    """The chat-state text ``key`` in ``lang`` (English when unknown) with ``values`` filled in.
+
+    Raises:
+        KeyError: unknown ``key``.
+    """
+    return STATE_TEXTS.get(lang, STATE_TEXTS["en"])[key].format(**values)

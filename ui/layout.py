@@ -3,13 +3,14 @@ occupancy, block map, rates) and a "how it works" note. One :func:`build_app` pe
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 import gradio as gr
 
 from ui.chat import ChatHandlers
 from ui.compare import build_compare_tab
-from ui.i18n import I18N, language, t
+from ui.i18n import I18N, language, state_text, t
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, Panels
 
@@ -28,6 +29,41 @@ def engine_summary(engine: Any, model_name: str | None = None) -> str:
             f"**{get('block_size')}** tokens · policy `{get('policy')}` · context {get('max_model_len')} tokens")
 
 
+def pacing_line(engine: Any, snaps_key: tuple | None, newest: int | None, lang: str) -> str:
+    """One Markdown line: the engine's pace (running / paused at step n / slow motion) and which steps
+    the panels show (live or pinned on the timeline)."""
+    L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
+    step = getattr(engine, "step_count", None)
+    if getattr(engine, "paused", False):
+        line = L["paused"].format(step=step)
+    else:
+        line = L["running"].format(step=step)
+    slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
+    if slow > 0:
+        line += L["slow"].format(s=slow)
+    if snaps_key and snaps_key[3] is not None:
+        line += L["pinned"].format(end=snaps_key[0], newest=newest)
+    return line
+
+
+PACE_TEXTS = {
+    "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
+           "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
+           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live"},
+    "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
+           "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
+           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다"},
+}
+
+
+def is_host_page(host_key: str | None, given: str | None) -> bool:
+    """Whether a page may pace the engine: always when no host key is set, else only when the page was
+    opened with ``?host=<key>`` (compared in constant time)."""
+    if not host_key:
+        return True
+    return hmac.compare_digest(str(given or "").encode(), host_key.encode())
+
+
 def build_app(
     engine: Any,
     *,
@@ -35,26 +71,43 @@ def build_app(
     refresh_s: float = 0.5,
     window: int = 96,
     max_builds_per_s: float = 2.0,
+    host_key: str | None = None,
 ) -> gr.Blocks:
     """The Gradio Blocks app for ``engine`` (an ``AsyncEngine``).
 
     Args:
-        engine: the process's engine; the UI uses ``generate``, ``abort``, ``config`` and ``telemetry``.
+        engine: the process's engine; the UI uses ``generate``, ``abort``, ``config``, ``telemetry`` and the
+            pacing methods (``pause``, ``resume``, ``step_once``, ``set_min_step_time``).
         model_name: shown in the header (default: ``engine.config.model`` or the embedded model).
         refresh_s: panel refresh period of each tab's ``gr.Timer`` (seconds).
         window: default number of engine steps shown in the occupancy and rates panels.
         max_builds_per_s: most figure rebuilds per second for the whole process (``asyncio-throttle``).
+        host_key: when set, only a page opened with ``?host=<host_key>`` may pause, step or slow the engine
+            (a shared demo, e.g. a Space); None or "" lets every page do it.
 
     API endpoints: ``/chat`` (message, history, temperature, top_p, max_new_tokens, seed -> history,
-    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``.
+    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``, ``/pause``,
+    ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no host key is set.
     """
-    chat = ChatHandlers(engine)
-    panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s)
+    cfg = getattr(engine, "config", None)
+    panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
+                    num_slots=getattr(cfg, "max_num_seqs", None), num_blocks=getattr(cfg, "num_blocks", None))
+    chat = ChatHandlers(engine, describe=panels.color_name)
     loadgen = LoadGenerator(engine)
+    capacity = int(getattr(engine.telemetry, "capacity", 512))
 
-    async def refresh(window_steps: float, seen: tuple | None, request: gr.Request):
-        lang = language(request.headers.get("accept-language") if request is not None else None)
-        return (*await panels.refresh(window_steps, seen, lang), loadgen.status())
+    def lang_of(request: gr.Request | None) -> str:
+        return language(request.headers.get("accept-language") if request is not None else None)
+
+    async def refresh(window_steps: float, seen: tuple | None, mine: str | None, pin: int | None,
+                      request: gr.Request):
+        lang = lang_of(request)
+        outs = await panels.refresh(window_steps, seen, lang, mine=mine, end=pin)
+        key = outs[-1]
+        latest = engine.telemetry.latest()
+        color = panels.color_name(mine, lang) if mine else None
+        mine_line = state_text(lang, "mine_panel", rid=mine, color=color) if mine and color else ""
+        return (*outs, loadgen.status(), pacing_line(engine, key, latest.step if latest else 0, lang), mine_line)
 
     async def start_load(n: float, rate: float) -> str:
         loadgen.start(int(n), float(rate))
@@ -66,7 +119,46 @@ def build_app(
 
     def clear(request: gr.Request):
         chat.stop(request)
-        return [], ""
+        return [], "", gr.update(interactive=True), None
+
+    def lock_send():
+        return gr.update(interactive=False)
+
+    def unlock_send(request: gr.Request):
+        session = getattr(request, "session_hash", None) or "anonymous"
+        return gr.update(interactive=not chat.active.of(session))
+
+    def allowed(is_host: bool, request: gr.Request | None) -> bool:
+        if not is_host:
+            gr.Warning(state_text(lang_of(request), "host_only"))
+        return bool(is_host)
+
+    def pause(is_host: bool, request: gr.Request):
+        if allowed(is_host, request):
+            engine.pause()
+
+    def resume(is_host: bool, request: gr.Request):
+        if allowed(is_host, request):
+            engine.resume()
+
+    def step_once(is_host: bool, request: gr.Request):
+        if allowed(is_host, request):
+            engine.step_once()
+
+    def slow_motion(seconds: float, is_host: bool, request: gr.Request):
+        if allowed(is_host, request):
+            engine.set_min_step_time(float(seconds))
+
+    def on_load(given_key: str):
+        host = is_host_page(host_key, given_key)
+        return (host, *(gr.update(interactive=host) for _ in range(4)))
+
+    def pin_timeline(back: float):
+        latest = engine.telemetry.latest()
+        if not back or latest is None:
+            return None
+        oldest = engine.telemetry.snapshots(capacity)[0].step
+        return max(oldest, latest.step - int(back))
 
     with gr.Blocks(title="Continuous Batching Playground", fill_width=True) as demo:
         gr.Markdown(t("title"))
@@ -107,36 +199,61 @@ def build_app(
                         for key in COUNTER_KEYS[4:]:
                             counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
                                                        elem_id=f"counter-{key}")
+                    with gr.Row(elem_id="pacing", equal_height=False):
+                        pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
+                        resume_btn = gr.Button(t("resume"), size="sm", min_width=80, elem_id="resume")
+                        step_btn = gr.Button(t("step"), size="sm", min_width=80, elem_id="step")
+                        slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=3,
+                                         elem_id="slow-motion")
+                    pace_md = gr.Markdown(elem_id="pace-status")
+                    mine_md = gr.Markdown(elem_id="mine")
                     occupancy = gr.Plot(label=t("occupancy"), elem_id="occupancy")
                     blocks = gr.Plot(label=t("blocks"), elem_id="blockmap")
+                    with gr.Row():
+                        window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=2)
+                        look_back = gr.Slider(0, capacity, value=0, step=1, label=t("look_back"), scale=2,
+                                              elem_id="look-back")
+                        live = gr.Checkbox(value=True, label=t("live"), scale=1)
                     with gr.Accordion(t("rates"), open=False):
                         rates = gr.Plot(label=t("rates"), show_label=False, elem_id="rates")
-                    with gr.Row():
-                        window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=3)
-                        live = gr.Checkbox(value=True, label=t("live"), scale=1)
                     with gr.Accordion(t("how_title"), open=True):
                         gr.Markdown(t("how"), elem_classes="cbp-note")
         with gr.Tab(t("tab_compare"), id="compare"):
             build_compare_tab(engine)
 
         seen = gr.State(None)
+        mine = gr.State(None)  # this tab's latest chat request id (outlined in the panels)
+        pin = gr.State(None)  # timeline: the step the panels end at (None: live)
+        is_host = gr.State(not host_key)
+        given_key = gr.Textbox(visible=False)
         timer = gr.Timer(refresh_s)
 
-        panel_outputs = [occupancy, blocks, rates, *(counters[k] for k in COUNTER_KEYS), seen, load_status]
-        timer.tick(refresh, [window_steps, seen], panel_outputs, concurrency_limit=None,
-                   api_visibility="private")
-        demo.load(refresh, [window_steps, seen], panel_outputs, concurrency_limit=None, api_visibility="private")
+        panel_outputs = [occupancy, blocks, rates, *(counters[k] for k in COUNTER_KEYS), seen, load_status,
+                         pace_md, mine_md]
+        refresh_inputs = [window_steps, seen, mine, pin]
+        timer.tick(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
+        demo.load(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
+        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow], api_visibility="private",
+                  js="() => new URLSearchParams(window.location.search).get('host') || ''")
         live.change(lambda on: gr.Timer(active=bool(on)), live, timer, api_visibility="private")
+        look_back.change(pin_timeline, look_back, pin, api_visibility="private", queue=False)
 
-        chat_event = gr.on(
-            [msg.submit, send.click], chat.respond, [msg, chatbot, temperature, top_p, max_new, seed],
-            [chatbot, msg], api_name="chat", concurrency_limit=None, show_progress="minimal",
+        locked = gr.on([msg.submit, send.click], lock_send, None, send, api_visibility="private", queue=False)
+        chat_event = locked.then(
+            chat.respond, [msg, chatbot, temperature, top_p, max_new, seed], [chatbot, msg, mine],
+            api_name="chat", concurrency_limit=None, show_progress="minimal",
         )
-        stop.click(chat.stop, None, None, cancels=[chat_event], api_name="stop", concurrency_limit=None)
-        clear_btn.click(clear, None, [chatbot, msg], cancels=[chat_event], api_name="clear",
+        chat_event.then(unlock_send, None, send, api_visibility="private", queue=False)
+        stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
+        clear_btn.click(clear, None, [chatbot, msg, send, mine], cancels=[chat_event], api_name="clear",
                         concurrency_limit=None)
         start_btn.click(start_load, [n_chats, rate], load_status, api_name="start_load", concurrency_limit=None)
         stop_btn.click(stop_load, None, load_status, api_name="stop_load", concurrency_limit=None)
+        pacing_api = "private" if host_key else "public"
+        pause_btn.click(pause, is_host, None, api_name="pause", api_visibility=pacing_api)
+        resume_btn.click(resume, is_host, None, api_name="resume", api_visibility=pacing_api)
+        step_btn.click(step_once, is_host, None, api_name="step", api_visibility=pacing_api, trigger_mode="multiple")
+        slow.change(slow_motion, [slow, is_host], None, api_name="slow_motion", api_visibility=pacing_api)
         demo.unload(chat.unload)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
     demo.cbp_loadgen = loadgen

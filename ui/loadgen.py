@@ -4,8 +4,13 @@ The prompts and lengths come from :func:`engine.prompts.synthetic_chat` (one lin
 16..256 new tokens each).
 
 The chats run as asyncio tasks on the server's event loop (the same loop the Gradio handlers run on), each
-one an ordinary ``engine.generate`` stream, so they show up in the panels exactly like browser chats
-(their request ids start with ``load-``).
+one an ordinary ``engine.generate`` stream, so they show up in the panels exactly like browser chats.
+
+Runs: each :meth:`LoadGenerator.start` after the previous run is over (all its chats ended, or
+:meth:`LoadGenerator.stop`) begins a new run, numbered from 1; a start while the current run still has chats
+(or chats still to start) adds to that run. A run's request ids are ``load-<run>-<hex>``, so the engine's
+telemetry can be read per run: the status line's "running" and "waiting" are counted from the newest engine
+step snapshot, the same one the page's Running/Waiting counters come from.
 """
 
 from __future__ import annotations
@@ -25,8 +30,19 @@ __all__ = ["LoadGenerator", "LoadStats", "synthetic_chat"]
 
 @dataclass
 class LoadStats:
-    """Counts of the synthetic chats since start (requests and generated text chunks)."""
+    """Counts of one run's synthetic chats (requests, and generated text chunks).
 
+    Attributes:
+        run: the run number (1, 2, ...; 0 before the first start).
+        requested: chats asked for by the run's starts.
+        started: chats handed to ``engine.generate`` so far.
+        finished: chats that ended normally (stop string, EOS or their token limit).
+        failed: chats the engine refused or ended with an error.
+        cancelled: chats ended by :meth:`LoadGenerator.stop` or aborted in the engine ("stopped").
+        chunks: streamed outputs received (one per engine step that gave a chat a token).
+    """
+
+    run: int = 0
     requested: int = 0
     started: int = 0
     finished: int = 0
@@ -34,78 +50,181 @@ class LoadStats:
     cancelled: int = 0
     chunks: int = 0
 
+    @property
+    def ended(self) -> int:
+        """Chats of the run that are over (finished, stopped or failed)."""
+        return self.finished + self.failed + self.cancelled
+
 
 class LoadGenerator:
     """Adds synthetic chats to an engine; one instance per process, shared by all tabs.
 
+    Call :meth:`start`, :meth:`stop` and :meth:`status` from the server's event loop (the Gradio handlers'
+    loop): the counts are plain attributes updated by tasks on that loop.
+
     Args:
-        engine: the ``AsyncEngine`` (``generate`` is used).
+        engine: the ``AsyncEngine`` (``generate`` is used, and ``telemetry.latest()`` when the engine has
+            telemetry).
         seed: seed of the prompt/length choice, so a talk can replay the same load.
+
+    Attributes:
+        stats: the current run's :class:`LoadStats` (a new object at each new run).
     """
 
     def __init__(self, engine: Any, seed: int = 20261129) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.stats = LoadStats()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # every run's tasks not yet done (stop() cancels them all)
+        self._run_tasks: set[asyncio.Task] = set()  # the current run's tasks not yet done
+        self._live: set[str] = set()  # the current run's request ids handed to the engine and not ended
+        self._stopped = True  # the current run was stopped (or none began): the next start begins a new run
+        self._counted: tuple | None = None  # (snapshot, run, running ids, waiting ids): status() cache
+
+    @property
+    def run(self) -> int:
+        """The current run's number (0 before the first :meth:`start`)."""
+        return self.stats.run
 
     @property
     def active(self) -> int:
-        """Synthetic chats (and pacing tasks) not yet done."""
+        """Synthetic chats (and pacing tasks) not yet done, of every run."""
         return sum(1 for t in self._tasks if not t.done())
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _prefix(self, run: int) -> str:
+        return f"load-{run}-"
+
+    def _spawn(self, coro, run_tasks: set[asyncio.Task]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
+        run_tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(run_tasks.discard)
         return task
 
-    async def _one(self, temperature: float) -> None:
+    async def _one(self, stats: LoadStats, live: set[str], temperature: float) -> None:
         messages, max_tokens = synthetic_chat(self.rng)
         params = SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max_tokens,
                                 seed=self.rng.randrange(1 << 30))
-        self.stats.started += 1
+        rid = f"{self._prefix(stats.run)}{uuid.uuid4().hex[:8]}"
+        stats.started += 1
+        live.add(rid)
+        reason = None
         try:
-            async with contextlib.aclosing(
-                self.engine.generate(messages, params, request_id=f"load-{uuid.uuid4().hex[:8]}")
-            ) as stream:
+            async with contextlib.aclosing(self.engine.generate(messages, params, request_id=rid)) as stream:
                 async for out in stream:
-                    self.stats.chunks += 1
+                    stats.chunks += 1
                     if out.finished:
+                        reason = out.finish_reason
                         break
-            self.stats.finished += 1
+            if reason == "error":
+                stats.failed += 1
+            elif reason == "abort":
+                stats.cancelled += 1
+            else:
+                stats.finished += 1
         except asyncio.CancelledError:
-            self.stats.cancelled += 1
+            stats.cancelled += 1
             raise
         except Exception:  # a rejected synthetic chat must not stop the others
-            self.stats.failed += 1
+            stats.failed += 1
+        finally:
+            live.discard(rid)
 
-    async def _pace(self, n: int, rate: float, temperature: float) -> None:
+    async def _pace(self, n: int, rate: float, temperature: float, stats: LoadStats, live: set[str],
+                    run_tasks: set[asyncio.Task]) -> None:
         for i in range(n):
-            self._spawn(self._one(temperature))
+            self._spawn(self._one(stats, live, temperature), run_tasks)
             if i + 1 < n:
                 await asyncio.sleep(1.0 / rate)
 
     def start(self, n: int, rate: float, temperature: float = 0.8) -> None:
-        """Add ``n`` chats at ``rate`` chats per second (from within the server's event loop)."""
+        """Add ``n`` chats at ``rate`` chats per second (from within the server's event loop).
+
+        If the current run is over (every chat of it ended, or :meth:`stop` was called), this begins a new run:
+        its number is the previous one plus 1 and its counts start from zero. While the current run still has
+        chats running, waiting or still to start, the ``n`` chats are added to that run (its ``requested``
+        grows by ``n``), so the status line keeps counting every synthetic chat the engine holds.
+
+        Args:
+            n: number of chats; ``n <= 0`` does nothing.
+            rate: chats per second (> 0).
+            temperature: sampling temperature of the chats.
+
+        Raises:
+            ValueError: ``rate <= 0`` (nothing is started).
+            RuntimeError: no running event loop.
+        """
         n, rate = int(n), float(rate)
         if n <= 0:
             return
         if rate <= 0:
             raise ValueError(f"rate must be > 0, got {rate}")
+        if self._stopped or not any(not t.done() for t in self._run_tasks):
+            self.stats = LoadStats(run=self.stats.run + 1)
+            self._run_tasks = set()
+            self._live = set()
+            self._stopped = False
         self.stats.requested += n
-        self._spawn(self._pace(n, rate, temperature))
+        self._spawn(self._pace(n, rate, temperature, self.stats, self._live, self._run_tasks), self._run_tasks)
 
     def stop(self) -> int:
-        """Cancel every synthetic chat and pending start; returns how many tasks were cancelled."""
+        """Cancel every synthetic chat and pending start, and end the current run (the next :meth:`start`
+        begins a new one).
+
+        Returns:
+            how many tasks (chats and pacing tasks) were cancelled.
+        """
+        self._stopped = True
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
             t.cancel()
         return len(tasks)
 
+    def _engine_counts(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """This run's request ids running and waiting in the newest step snapshot, and the ids that ended in
+        that step; empty sets when there is no telemetry or no step yet. Cached per snapshot and run."""
+        empty: frozenset[str] = frozenset()
+        telemetry = getattr(self.engine, "telemetry", None)
+        snap = telemetry.latest() if telemetry is not None else None
+        if snap is None:
+            return empty, empty, empty
+        cached = self._counted
+        if cached is not None and cached[0] is snap and cached[1] == self.stats.run:
+            return cached[2], cached[3], cached[4]
+        prefix = self._prefix(self.stats.run)
+        # a slot counts while its request is still running after the step (it holds a block table): the
+        # slots are taken before the step ends requests, and the static policy keeps an ended row's slot
+        running = frozenset(s.request_id for s in snap.batch_slots
+                            if s.request_id is not None and s.request_id.startswith(prefix)
+                            and s.request_id in snap.block_tables)
+        waiting = frozenset(r for r in snap.waiting if r.startswith(prefix))
+        ended = frozenset(r for r in snap.finished if r.startswith(prefix))
+        self._counted = (snap, self.stats.run, running, waiting, ended)
+        return running, waiting, ended
+
     def status(self) -> str:
-        """One line for the UI: requested, started, running, finished, stopped, failed."""
+        """One line for the UI about the current run, e.g.
+        ``"run 2: 32 requested · 16 running · 16 waiting · 0 finished · 0 stopped · 0 failed"``.
+
+        "running" and "waiting" count the run's requests in the engine's newest step snapshot
+        (``engine.telemetry.latest()``: batch slots still running after the step, and the waiting queue), so
+        they agree with the page's Running/Waiting counters when only synthetic chats run. Chats handed to the
+        engine but not in that snapshot yet (submitted since the last step, e.g. while the engine is paused)
+        show as ``· N queued`` after "waiting", only when N > 0. Chats of the run not started yet (the rate
+        holds them back) are in "requested" only.
+
+        Cheap (one snapshot read, counted once per snapshot) and never raises for an engine without
+        telemetry or with no step yet (then "running" and "waiting" are 0).
+
+        Returns:
+            the line; ``"no run yet"`` before the first :meth:`start`.
+        """
         s = self.stats
-        running = s.started - s.finished - s.failed - s.cancelled
-        return (f"{s.requested} requested · {s.started} started · {max(0, running)} running · "
-                f"{s.finished} finished · {s.cancelled} stopped · {s.failed} failed")
+        if s.run == 0:
+            return "no run yet"
+        running, waiting, ended = self._engine_counts()
+        queued = sum(1 for r in self._live if r not in running and r not in waiting and r not in ended)
+        queued_part = f" · {queued} queued" if queued else ""
+        return (f"run {s.run}: {s.requested} requested · {len(running)} running · {len(waiting)} waiting"
+                f"{queued_part} · {s.finished} finished · {s.cancelled} stopped · {s.failed} failed")

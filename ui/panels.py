@@ -1,14 +1,20 @@
 """The live panels' data: figures built from telemetry at most a few times a second, shared by all tabs.
 
 Every tab's ``gr.Timer`` asks for the panels a few times a second. Figures are built only when the engine
-has made a new step, at most ``max_builds_per_s`` times a second (``asyncio-throttle``), in a worker
-thread so the event loop keeps streaming chats, and serialised once (Gradio's ``PlotData``) for all tabs.
-A tab that already has the newest figures gets ``gr.skip()`` and nothing is sent.
+has made a new step (or the tab looks at another part of the timeline), at most ``max_builds_per_s`` times
+a second (``asyncio-throttle``), in a worker thread so the event loop keeps streaming chats, and serialised
+once (Gradio's ``PlotData``) for all tabs. A tab that already has the newest figures gets ``gr.skip()`` and
+nothing is sent. A tab whose own request is on screen gets a copy with one extra trace that outlines that
+request (the shared JSON plus the outline; nothing else is rebuilt).
+
+The timeline: a tab may pin the panels at an earlier step still in the telemetry ring buffer (``end``);
+the window then ends at that step and the block map shows the pool as it was after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import gradio as gr
@@ -25,70 +31,133 @@ def _plot_data(fig) -> PlotData:
     return PlotData(type="plotly", plot=fig.to_json())
 
 
+def _with_trace(plot: PlotData, trace) -> PlotData:
+    """A copy of a serialised figure with ``trace`` (a plotly trace) appended."""
+    data = json.loads(plot.plot)
+    data.setdefault("data", []).append(trace.to_plotly_json())
+    return PlotData(type="plotly", plot=json.dumps(data, default=str))
+
+
 class Panels:
     """Builds and caches the panel figures of one engine's telemetry.
 
     Args:
         telemetry: the engine's :class:`engine.telemetry.Telemetry` (read only).
         max_builds_per_s: most figure builds per second, whatever the number of tabs.
+        num_slots: batch slots (``max_num_seqs``), to draw the empty slots before the first step.
+        num_blocks: KV blocks in the pool, to draw the free pool before the first step.
     """
 
-    def __init__(self, telemetry: Any, max_builds_per_s: float = 2.0) -> None:
+    def __init__(self, telemetry: Any, max_builds_per_s: float = 2.0, num_slots: int | None = None,
+                 num_blocks: int | None = None) -> None:
         self.telemetry = telemetry
+        self.num_slots = num_slots
+        self.num_blocks = num_blocks
         self.colors = figures.ColorAssigner()
         # one build per 1/max_builds_per_s seconds: evenly spaced, no bursts
         self.throttler = Throttler(rate_limit=1, period=1.0 / max_builds_per_s)
         self._lock: asyncio.Lock | None = None
-        # (window, lang) -> (key, serialised plots); a few variants, so tabs in two languages don't thrash
-        self._cache: dict[tuple, tuple[tuple, tuple[PlotData, PlotData, PlotData]]] = {}
+        # (window, lang, end) -> (key, snapshots drawn, serialised plots); a few variants, so tabs in two
+        # languages or at two points of the timeline don't thrash
+        self._cache: dict[tuple, tuple[tuple, list, tuple[PlotData, PlotData, PlotData]]] = {}
+        self._mine: dict[tuple, tuple[PlotData, PlotData]] = {}  # (key, request id) -> outlined plots
         self.builds = 0
 
-    def build(self, window: int, lang: str) -> tuple[tuple, tuple[Any, Any, Any]]:
+    def _window(self, window: int, end: int | None) -> list:
+        snaps = self.telemetry.snapshots()
+        if end is not None:
+            snaps = [s for s in snaps if s.step <= end] or snaps[:1]
+        return snaps[-window:]
+
+    def build(self, window: int, lang: str, end: int | None = None) -> tuple[tuple, tuple[Any, Any, Any]]:
         """Build the three figures now (any thread): returns ``(key, (occupancy, blocks, rates))``.
 
-        ``key`` is ``(last step, window, lang)``; the figures are ``go.Figure`` objects.
+        ``key`` is ``(last step drawn, window, lang, end)``; the figures are ``go.Figure`` objects; ``end``
+        pins the window's last step (None: the newest step).
         """
-        snaps = self.telemetry.snapshots(window)
+        key, _snaps, figs = self._build(window, lang, end)
+        return key, figs
+
+    def _build(self, window: int, lang: str, end: int | None):
+        snaps = self._window(window, end)
         labels = figure_labels(lang)
         colors = self.colors.update(snaps)
         last = snaps[-1] if snaps else None
-        key = (last.step if last else 0, window, lang)
+        key = (last.step if last else 0, window, lang, end)
         figs = (
-            figures.occupancy_figure(snaps, colors, labels),
-            figures.block_map_figure(last, colors, labels),
+            figures.occupancy_figure(snaps, colors, labels, num_slots=self.num_slots, window=window),
+            figures.block_map_figure(last, colors, labels, num_blocks=self.num_blocks),
             figures.rates_figure(snaps, labels),
         )
-        return key, figs
+        return key, snaps, figs
 
-    def _build_serialised(self, window: int, lang: str) -> tuple[tuple, tuple[PlotData, PlotData, PlotData]]:
-        key, figs = self.build(window, lang)
-        return key, tuple(_plot_data(f) for f in figs)  # type: ignore[return-value]
+    def _build_serialised(self, window: int, lang: str, end: int | None):
+        key, snaps, figs = self._build(window, lang, end)
+        return key, snaps, tuple(_plot_data(f) for f in figs)
 
-    async def plots(self, window: int, lang: str) -> tuple[tuple, tuple[PlotData, PlotData, PlotData]]:
-        """The newest figures for ``window`` steps in ``lang``, rebuilt only if the engine moved on."""
+    async def plots(self, window: int, lang: str, end: int | None = None):
+        """``(key, snapshots drawn, (occupancy, blocks, rates))``, rebuilt only if the picture changed."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            latest = self.telemetry.latest()
-            step = latest.step if latest else 0
-            cached = self._cache.get((window, lang))
-            if cached is None or cached[0][0] != step:
+            if end is None:
+                latest = self.telemetry.latest()
+                step = latest.step if latest else 0
+            else:
+                step = None
+            cached = self._cache.get((window, lang, end))
+            if cached is None or (step is not None and cached[0][0] != step):
                 async with self.throttler:
-                    cached = await asyncio.to_thread(self._build_serialised, window, lang)
+                    cached = await asyncio.to_thread(self._build_serialised, window, lang, end)
                     self.builds += 1
-                self._cache.pop((window, lang), None)
-                self._cache[(window, lang)] = cached
+                self._cache.pop((window, lang, end), None)
+                self._cache[(window, lang, end)] = cached
                 while len(self._cache) > 8:
                     self._cache.pop(next(iter(self._cache)))
             return cached
+
+    def color_name(self, request_id: str, lang: str = "en") -> str | None:
+        """The name of ``request_id``'s colour in the panels (None until it has been drawn)."""
+        index = self.colors.index_of(request_id)
+        return None if index is None else figures.color_name(index, lang)
+
+    async def _outlined(self, key: tuple, snaps: list, plots: tuple, mine: str, lang: str):
+        cached = self._mine.get((key, mine))
+        if cached is None:
+            labels = figure_labels(lang)
+            occ = figures.occupancy_highlight(snaps, mine, labels)
+            blk = figures.block_map_highlight(snaps[-1], mine, labels, num_blocks=self.num_blocks) if snaps else None
+            if occ is None and blk is None:
+                return None
+            cached = await asyncio.to_thread(
+                lambda: (plots[0] if occ is None else _with_trace(plots[0], occ),
+                         plots[1] if blk is None else _with_trace(plots[1], blk)))
+            self._mine[(key, mine)] = cached
+            while len(self._mine) > 64:
+                self._mine.pop(next(iter(self._mine)))
+        return cached
 
     def counters(self) -> tuple[str, ...]:
         """Counter strings in :data:`COUNTER_KEYS` order, from ``telemetry.stats()``."""
         values = figures.counter_values(self.telemetry.stats())
         return tuple(values[k] for k in COUNTER_KEYS)
 
-    async def refresh(self, window: float, seen: tuple | None, lang: str) -> tuple:
-        """Outputs of one timer tick: three plots (or ``gr.skip()``), the counters, and the new ``seen``."""
-        key, plots = await self.plots(int(window), lang)
+    async def refresh(self, window: float, seen: tuple | None, lang: str, mine: str | None = None,
+                      end: int | None = None) -> tuple:
+        """Outputs of one timer tick: three plots (or ``gr.skip()``), the counters, and the new ``seen``.
+
+        Args:
+            window: steps shown.
+            seen: the key the tab got last time (None at first).
+            lang: figure language.
+            mine: the tab's own request id, outlined in both panels while it is on screen.
+            end: pin the window's last step (None: follow the newest step).
+        """
+        key, snaps, plots = await self.plots(int(window), lang, end)
+        if mine:
+            outlined = await self._outlined(key, snaps, plots, mine, lang)
+            if outlined is not None:
+                plots = (*outlined, plots[2])
+                key = (*key, mine)
         out_plots = (gr.skip(),) * 3 if seen is not None and tuple(seen) == key else plots
         return (*out_plots, *self.counters(), key)

@@ -1,0 +1,83 @@
+"""Take the README's talk-mode screenshot: the playground on the embedded model, paused mid-handover.
+
+Starts the app in this process (4 batch slots, 96 KV blocks), opens it in Debian's chromium at 1366x768,
+sends one chat from the page, adds 16 synthetic chats with the page's load generator, runs the engine in slow motion
+and pauses it in the step right after a waiting request took a finished one's slot; then saves the page.
+
+    .venv/bin/python scripts/talk_screenshot.py --out docs/talk-mode.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from ui.layout import build_app, launch  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def handover(engine) -> bool:
+    """True when the newest step admitted a request into a slot that another request left the step before."""
+    snaps = engine.telemetry.snapshots(2)
+    if len(snaps) < 2 or not snaps[-1].admitted:
+        return False
+    before = {s.batch_slot: s.request_id for s in snaps[-2].batch_slots}
+    return any(s.request_id in snaps[-1].admitted and before.get(s.batch_slot) in snaps[-2].finished
+               for s in snaps[-1].batch_slots)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/talk-mode.png")
+    p.add_argument("--chromium", default="/usr/bin/chromium")
+    p.add_argument("--width", type=int, default=1366)
+    p.add_argument("--height", type=int, default=768)
+    args = p.parse_args()
+
+    engine = AsyncEngine.from_args(max_num_seqs=4, num_blocks=96, block_size=16)
+    demo = build_app(engine, refresh_s=0.25, window=48)
+    port = _free_port()
+    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": args.width, "height": args.height})
+            page.set_default_timeout(120_000)
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("#msg textarea")
+            page.fill("#msg textarea", "Explain in a few sentences how a paged KV cache lets many chats share "
+                      "one machine.")
+            page.click("#send")
+            page.click("#start-load")  # 16 synthetic chats, 4 a second, on the app's own event loop
+            engine.set_min_step_time(0.15)
+            end = time.monotonic() + 300
+            while time.monotonic() < end and not (handover(engine) and engine.step_count > 40):
+                time.sleep(0.01)
+            engine.pause()
+            time.sleep(2.0)  # a few panel refreshes
+            page.evaluate("window.scrollTo(0, 0)")
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=args.out)
+            print(f"paused after step {engine.step_count}; wrote {args.out}")
+            browser.close()
+    finally:
+        engine.resume()
+        demo.close()
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The Compare tab in a headless browser (Debian's chromium) at 1366x768, in English and in Korean: after
+one run, both grids sit side by side and fully inside the screen without scrolling, and under ko-KR the
+button, headline, explanation and figure titles are Korean.
+
+The whole app (``ui.layout.build_app``) runs on the tiny random model, so the module takes a few seconds.
+Skipped when chromium or playwright is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")  # Debian's package
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from ui import compare, i18n  # noqa: E402
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+WIDTH, HEIGHT = 1366, 768  # a projector / small laptop screen
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model, tokenizer):
+    """The playground on the tiny model at a loopback port: ``url``, ``runs`` (the classic preset's runs,
+    for the expected headline)."""
+    from ui.layout import build_app, launch
+
+    engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), model=tiny_model,
+                                    tokenizer=tokenizer))
+    demo = build_app(engine, refresh_s=2.0)
+    port = _free_port()
+    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}/", runs=compare.run_compare(tiny_model, tokenizer, "classic"))
+    demo.close()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+def _run_compare(browser, url: str, locale: str):
+    """Open the page at 1366x768 in ``locale``, open the Compare tab, press Run and wait for both grids;
+    returns the page."""
+    ctx = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, locale=locale)
+    page = ctx.new_page()
+    page.set_default_timeout(30_000)
+    page.goto(url)
+    page.click("button[role=tab][data-tab-id=compare]")
+    page.click("#compare-run")
+    for plot in ("#compare-static", "#compare-continuous"):
+        page.wait_for_selector(f"{plot} .js-plotly-plot .heatmaplayer image", state="attached")
+    page.wait_for_function("() => /\\d/.test(document.querySelector('#compare-summary').innerText)")
+    page.wait_for_timeout(300)  # let Plotly finish its layout
+    return page
+
+
+def _assert_one_slide(page) -> None:
+    """Both grids fully inside the 1366x768 viewport, without scrolling, side by side with equal sizes."""
+    assert page.evaluate("window.scrollY") == 0, "the page had to scroll"
+    s = page.locator("#compare-static").bounding_box()
+    c = page.locator("#compare-continuous").bounding_box()
+    for box in (s, c):
+        assert box["x"] >= 0 and box["y"] >= 0, box
+        assert box["x"] + box["width"] <= WIDTH and box["y"] + box["height"] <= HEIGHT, (box, "below the screen")
+        assert box["height"] >= 240, box  # a readable grid, not a collapsed box
+    assert abs(s["y"] - c["y"]) < 2 and s["x"] + s["width"] <= c["x"], (s, c)  # side by side, static left
+    assert abs(s["width"] - c["width"]) < 2 and abs(s["height"] - c["height"]) < 2, (s, c)
+    headline = page.locator("#compare-summary").bounding_box()
+    assert headline["y"] + headline["height"] <= s["y"], "the headline is not above the grids"
+
+
+def test_english_compare_is_one_slide(app, browser):
+    page = _run_compare(browser, app.url, "en-US")
+    try:
+        _assert_one_slide(page)
+        assert page.inner_text("#compare-run").strip() == i18n.EN["cmp_run"]
+        headline = page.inner_text("#compare-summary").strip()
+        assert headline == compare.headline_markdown(app.runs, "en").removeprefix("### ")
+        assert "tokens/s" not in page.inner_text("#compare-static")
+        assert "static: 9 steps" in page.text_content("#compare-static .gtitle")
+    finally:
+        page.context.close()
+
+
+def test_korean_compare_is_one_slide_in_korean(app, browser):
+    page = _run_compare(browser, app.url, "ko-KR")
+    try:
+        _assert_one_slide(page)
+        assert page.inner_text("#compare-run").strip() == i18n.KO["cmp_run"]
+        headline = page.inner_text("#compare-summary").strip()
+        assert headline == compare.headline_markdown(app.runs, "ko").removeprefix("### ")
+        assert "스텝" in headline and "steps" not in headline
+        assert page.inner_text("#compare-note").strip().startswith("불러온 모델")
+        assert page.input_value("#compare-preset input") == i18n.KO["cmp_preset_classic"]
+        assert page.text_content("#compare-static .gtitle").startswith("정적 배칭: ")
+        assert page.text_content("#compare-continuous .xtitle") == "엔진 스텝"
+        assert page.inner_text("button[role=tab][data-tab-id=compare]").strip() == i18n.KO["tab_compare"]
+    finally:
+        page.context.close()

@@ -1,0 +1,198 @@
+"""Talk mode in a real browser (Debian's chromium, Playwright): pause, single step, slow motion and the
+timeline from the page; every chat's status line in its own bubble; one request per Send however often it is
+clicked; pacing restricted to the host when a host key is set.
+
+The app runs on a tiny random-weight model (fast to load, fast steps) with two batch slots; every wait is
+bounded. Skipped when chromium or playwright is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run"]
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float = 30.0, every: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    return cond()
+
+
+@pytest.fixture(scope="module")
+def talk(tiny_model, tokenizer):
+    """One engine (2 slots) served twice: an open page (``url``) and one with a host key (``hosted``)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from ui.layout import build_app, launch
+
+    engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=96, block_size=4, max_num_seqs=2), model=tiny_model,
+                                    tokenizer=tokenizer))
+    demos, urls = [], []
+    for key in (None, "s3cret"):
+        demo = build_app(engine, refresh_s=0.25, host_key=key)
+        port = _free_port()
+        launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        demos.append(demo)
+        urls.append(f"http://127.0.0.1:{port}/")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield SimpleNamespace(engine=engine, demo=demos[0], url=urls[0], hosted=urls[1], browser=browser)
+        browser.close()
+    for demo in demos:
+        demo.close()
+    engine.resume()
+    engine.shutdown()
+
+
+def _page(talk, url=None, locale="en-US"):
+    ctx = talk.browser.new_context(viewport={"width": 1366, "height": 768}, locale=locale)
+    page = ctx.new_page()
+    page.set_default_timeout(30_000)
+    page.goto(url or talk.url)
+    page.wait_for_selector("#msg textarea")
+    page.wait_for_selector("#occupancy .js-plotly-plot")
+    return page
+
+
+def _status(page) -> str:
+    """The title of the newest status line in the page's chat ('' when there is none)."""
+    return page.evaluate(
+        "() => { const t = [...document.querySelectorAll('#chatbot .message-wrap [class*=\"thought\"], "
+        "#chatbot .message-wrap .title')]; return t.length ? t[t.length - 1].innerText : ''; }")
+
+
+def _chat_text(page) -> str:
+    return page.evaluate("() => document.querySelector('#chatbot').innerText")
+
+
+def _send(page, text: str) -> None:
+    page.fill("#msg textarea", text)
+    page.click("#send")
+
+
+def test_pause_step_and_the_status_line_follow_one_request(talk):
+    engine, chat = talk.engine, talk.demo.cbp_chat
+    page = _page(talk)
+    try:
+        page.click("#pause")
+        assert _wait(lambda: engine.paused), "Pause did not pause the engine"
+        page.wait_for_selector("#pace-status:has-text('Engine paused')")
+        _send(page, "Hello, who are you?")
+        # queued while paused: the reply's own bubble says so, Send is disabled meanwhile
+        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued: 1 of 1')")
+        assert "engine paused" in _chat_text(page)
+        assert page.locator("#send").is_disabled()
+        rid = _wait(lambda: [r for ids in chat.active._by_session.values() for r in ids])[0]
+        before = engine.step_count
+        for k in (1, 2, 3):  # one press, one engine step
+            page.click("#step")
+            assert _wait(lambda k=k: engine.step_count == before + k, 10), (engine.step_count, before + k)
+            time.sleep(0.3)
+            assert engine.step_count == before + k, "a Step press ran more than one step"
+        page.wait_for_function("() => /Decoding: \\d+ tokens/.test(document.querySelector('#chatbot').innerText)")
+        # the tab names its own request and colour; the panels outline it
+        page.wait_for_selector(f"#mine:has-text('{rid}')")
+        mine = page.inner_text("#mine")
+        assert re.search(rf"{rid}, \w+", mine), mine
+        assert rid in _chat_text(page)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#occupancy .legendtext')].some(e => e.textContent.includes('your'))")
+        # the timeline: look 2 steps back pins the panels
+        box = page.locator("#look-back input[type=number]")
+        box.fill("2")
+        box.press("Enter")
+        page.wait_for_selector("#pace-status:has-text('pinned at step')")
+        pinned = int(re.search(r"pinned at step (\d+)", page.inner_text("#pace-status")).group(1))
+        assert pinned == engine.step_count - 2
+        box.fill("0")
+        box.press("Enter")
+        page.wait_for_function("() => !document.querySelector('#pace-status').innerText.includes('pinned')")
+        page.click("#resume")
+        assert _wait(lambda: not engine.paused)
+        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Finished')", timeout=60_000)
+        assert _wait(lambda: not page.locator("#send").is_disabled(), 10), "Send stayed disabled after the reply"
+    finally:
+        engine.resume()
+        page.context.close()
+
+
+def test_double_click_on_send_starts_one_request(talk):
+    engine, chat = talk.engine, talk.demo.cbp_chat
+    page = _page(talk)
+    try:
+        engine.pause()
+        page.fill("#msg textarea", "Tell me a story.")
+        page.dblclick("#send")
+        page.locator("#msg textarea").press("Enter")  # and Enter while the reply waits
+        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued')")
+        time.sleep(1.0)
+        ids = [r for ids in chat.active._by_session.values() for r in ids]
+        assert len(ids) == 1, f"hidden requests: {ids}"
+        assert _wait(lambda: [r for r in engine.telemetry.queue if r.startswith("chat-")] == ids, 5)
+        page.click("#stop")  # stopped while paused: the status says so and the queue is empty again
+        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Stopped')")
+        assert _wait(lambda: not [r for r in engine.telemetry.queue if r.startswith("chat-")], 5)
+        assert _wait(lambda: not page.locator("#send").is_disabled(), 10)
+    finally:
+        engine.resume()
+        page.context.close()
+
+
+def test_slow_motion_from_the_page(talk):
+    engine = talk.engine
+    page = _page(talk)
+    try:
+        box = page.locator("#slow-motion input[type=number]")
+        box.fill("0.4")
+        box.press("Enter")
+        assert _wait(lambda: abs(engine.min_step_time - 0.4) < 1e-9, 10), engine.min_step_time
+        page.wait_for_selector("#pace-status:has-text('slow motion: 0.40 s per step')")
+        box.fill("0")
+        box.press("Enter")
+        assert _wait(lambda: engine.min_step_time == 0.0, 10)
+    finally:
+        engine.set_min_step_time(0.0)
+        page.context.close()
+
+
+def test_pacing_is_for_the_host_when_a_host_key_is_set(talk):
+    engine = talk.engine
+    guest = _page(talk, talk.hosted)
+    host = _page(talk, talk.hosted + "?host=s3cret")
+    try:
+        assert _wait(lambda: guest.locator("#pause").is_disabled(), 10), "a guest page can pause"
+        assert not engine.paused
+        assert _wait(lambda: not host.locator("#pause").is_disabled(), 10)
+        host.click("#pause")
+        assert _wait(lambda: engine.paused)
+        guest.wait_for_selector("#pace-status:has-text('Engine paused')")  # everyone sees it
+        host.click("#resume")
+        assert _wait(lambda: not engine.paused)
+    finally:
+        engine.resume()
+        guest.context.close()
+        host.context.close()
