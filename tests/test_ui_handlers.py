@@ -349,3 +349,15 @@ def test_load_generator_runs_follow_the_engine_and_restart_from_zero(tiny_model,
     finally:
         eng.resume()
         eng.shutdown()
+
+
+def test_an_engine_that_is_down_fails_the_reply_instead_of_waiting_forever():
+    class Down(StubEngine):
+        async def generate(self, prompt, params, request_id=None):
+            raise RuntimeError("the engine is not running")
+            yield  # an async generator
+
+    chat = ChatHandlers(Down(), poll_s=0.01)
+    outs = asyncio.run(asyncio.wait_for(collect(chat.respond("x", [], 0.7, 0.9, 16, -1, req())), 5))
+    text, title = reply_of(outs[-1][0])
+    assert "not running" in text and title.startswith("⚠️") and len(chat.active) == 0

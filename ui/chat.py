@@ -135,6 +135,9 @@ def status_text(lang: str, state: dict | None, tokens: int, paused: bool) -> tup
     return text, final
 
 
+_END = object()  # put in a reply's queue when its engine stream has ended
+
+
 class ChatHandlers:
     """The Gradio handlers of the chat column, bound to one engine.
 
@@ -226,8 +229,10 @@ class ChatHandlers:
                     out = None
                 if request_id in self._stopping:
                     final = {"state": "stopped"}
+                elif out is _END:
+                    final = {"state": "done", "reason": None}
                 elif isinstance(out, BaseException):
-                    text = f"⚠️ {out}" if isinstance(out, ValueError) else f"⏳ {out}"
+                    text = f"⏳ {out}" if isinstance(out, EngineOverloadedError) else f"⚠️ {out}"
                     final = {"state": "failed"}
                 elif out is not None:
                     text, tokens = out.text, len(out.token_ids)
@@ -259,8 +264,10 @@ class ChatHandlers:
             async with contextlib.aclosing(self.engine.generate(messages, params, request_id=request_id)) as stream:
                 async for out in stream:
                     queue.put_nowait(out)
-        except (ValueError, EngineOverloadedError) as exc:  # refused at admission: shown in the bubble
+        except Exception as exc:  # refused at admission (or the engine is down): shown in the bubble
             queue.put_nowait(exc)
+        else:
+            queue.put_nowait(_END)  # the stream ended (normally after its finished output)
 
     def stop(self, request: gr.Request) -> None:
         """Stop every reply the calling session is streaming: its request is aborted in the engine (KV
