@@ -257,12 +257,15 @@ class EngineCore:
         """Abort a request at the next step (thread-safe); its blocks go back to the pool."""
         self._inbox.put(("abort", request_id))
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Apply the queued adds and aborts; returns how many there were."""
+        n = 0
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return n
+            n += 1
             if kind == "add":
                 try:
                     if item.group_id in self._live:
@@ -290,8 +293,9 @@ class EngineCore:
         """Apply the queued adds and aborts without running a step (a paused engine): new requests join
         the waiting queue, aborted ones give their blocks back now. Returns the final outputs of the
         requests that ended (aborted, refused)."""
-        self._drain_inbox()
-        self.telemetry.set_queue(tuple(r.request_id for r in self.scheduler.waiting))
+        if not self._drain_inbox():
+            return []
+        self._amend_telemetry()
         finished = self.scheduler.take_finished()
         self._record_finished(finished, time.monotonic())
         outputs = self._outputs(finished)
@@ -417,6 +421,21 @@ class EngineCore:
             )
         )
         self._record_finished(finished, now)
+
+    def _amend_telemetry(self) -> None:
+        """Between steps (a paused engine took requests or aborts): the newest snapshot's pool, block tables
+        and queue become what they are now, so the panels show freed blocks and queued requests at once."""
+        waiting = tuple(r.request_id for r in self.scheduler.waiting)
+        self.telemetry.set_queue(waiting)
+        last = self.telemetry.latest()
+        if last is None:
+            return
+        kv = self.kv.snapshot(self.scheduler.running)
+        self.telemetry.amend_latest(dataclasses.replace(
+            last, block_tables=kv.block_tables, block_refcount=kv.block_refcount, block_tokens=kv.block_tokens,
+            block_reuses=kv.block_reuses, cached_blocks=kv.cached_blocks, cache_hit_blocks=kv.cache_hit_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
+        ))
 
     def _record_finished(self, finished: list[Request], now: float) -> None:
         for r in finished:

@@ -182,6 +182,7 @@ class Telemetry:
     start_time: float = field(init=False, default_factory=time.monotonic)
     paused: bool = field(init=False, default=False)  # the engine is paused (talk mode): no step runs
     queue: tuple = field(init=False, default=())  # ids of the waiting requests now, in queue order
+    version: int = field(init=False, default=0)  # changes whenever the newest snapshot does (record or amend)
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
@@ -192,11 +193,26 @@ class Telemetry:
         with self._lock:
             self._steps.append(snap)
             self.queue = snap.waiting
+            self.version += 1
             self.total_steps += 1
             self.total_generated_tokens += snap.num_generated_tokens
             self.total_idle_slot_steps += sum(
                 1 for s in snap.batch_slots if s.request_id is not None and s.phase == PHASE_IDLE
             )
+
+    def amend_latest(self, snap: StepSnapshot) -> None:
+        """Replace the newest snapshot by ``snap`` (same step: the state changed between steps, e.g. an abort
+        while paused freed blocks). Totals are not counted again.
+
+        Raises:
+            ValueError: there is no snapshot yet, or ``snap.step`` is not the newest step.
+        """
+        with self._lock:
+            if not self._steps or self._steps[-1].step != snap.step:
+                raise ValueError("amend_latest replaces the newest snapshot with one of the same step")
+            self._steps[-1] = snap
+            self.queue = snap.waiting
+            self.version += 1
 
     def set_queue(self, waiting: tuple[str, ...]) -> None:
         """The waiting queue changed without a step (a paused engine took new requests or aborts)."""

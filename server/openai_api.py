@@ -411,11 +411,14 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
 
     @app.get("/health")
     async def health():
-        """200 while the engine thread runs (with the engine's step counter and whether it is paused), 503
-        otherwise."""
+        """200 while the engine thread runs, 503 otherwise. The body has the engine's step counter, whether it
+        is paused, running and waiting requests (as the page's counters: the newest step, the queue now) and
+        ``in_flight`` (requests accepted and not finished: streams of the page and the API)."""
         if engine.healthy:
-            return {"status": "ok", "model": model_name, "running": engine.num_pending, "step": engine.step_count,
-                    "paused": engine.paused}
+            latest = engine.telemetry.latest()
+            return {"status": "ok", "model": model_name, "step": engine.step_count, "paused": engine.paused,
+                    "running": latest.num_running if latest else 0, "waiting": len(engine.telemetry.queue),
+                    "in_flight": engine.num_pending}
         return JSONResponse({"status": "unavailable", "detail": "the engine thread is not running"}, status_code=503)
 
     @app.get("/metrics")

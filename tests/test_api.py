@@ -38,6 +38,8 @@ def test_models_and_health(api):
     health = api.http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert health.json()["paused"] is False and isinstance(health.json()["step"], int)
+    assert {k: health.json()[k] for k in ("running", "waiting", "in_flight")} == {"running": 0, "waiting": 0,
+                                                                                  "in_flight": 0}
     api.engine.pause()
     try:
         assert api.http.get("/health").json()["paused"] is True

@@ -111,6 +111,8 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
         for k in (1, 2, 3):  # one press, one engine step
             page.click("#step")
             assert _wait(lambda k=k: engine.step_count == before + k, 10), (engine.step_count, before + k)
+            # the pace line answers the press itself: the new step shows without waiting for a refresh
+            page.wait_for_selector(f"#pace-status:has-text('after step {before + k}:')", timeout=2_000)
             time.sleep(0.3)
             assert engine.step_count == before + k, "a Step press ran more than one step"
         page.wait_for_function("() => /Decoding: \\d+ tokens/.test(document.querySelector('#chatbot').innerText)")
@@ -147,8 +149,11 @@ def test_double_click_on_send_starts_one_request(talk):
         engine.pause()
         page.fill("#msg textarea", "Tell me a story.")
         page.dblclick("#send")
-        page.locator("#msg textarea").press("Enter")  # and Enter while the reply waits
         page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued')")
+        page.fill("#msg textarea", "And another one.")
+        page.locator("#msg textarea").press("Enter")  # Enter while the reply waits: refused, visibly
+        page.wait_for_selector("text=A reply is still streaming")
+        assert page.input_value("#msg textarea") == "And another one."  # the text stays in the box
         time.sleep(1.0)
         ids = [r for ids in chat.active._by_session.values() for r in ids]
         assert len(ids) == 1, f"hidden requests: {ids}"
@@ -185,6 +190,7 @@ def test_pacing_is_for_the_host_when_a_host_key_is_set(talk):
     host = _page(talk, talk.hosted + "?host=s3cret")
     try:
         assert _wait(lambda: guest.locator("#pause").is_disabled(), 10), "a guest page can pause"
+        assert guest.locator("#start-load").is_disabled() and guest.locator("#step").is_disabled()
         assert not engine.paused
         assert _wait(lambda: not host.locator("#pause").is_disabled(), 10)
         host.click("#pause")

@@ -71,6 +71,11 @@ def test_abort_while_paused_frees_blocks_without_a_step(engine):
         await _until(lambda: engine.core.stats().num_used_blocks == 0)
         assert engine.paused and engine.step_count == steps  # freed while paused, no step ran
         assert engine.telemetry.finished_requests()[-1].finish_reason == "abort"
+        # the panels see it at once: the newest snapshot (same step) was amended
+        await _until(lambda: not engine.telemetry.latest().block_tables)
+        snap = engine.telemetry.latest()
+        assert snap.step == steps and snap.kv_usage == 0 and snap.num_running == 0
+        assert engine.telemetry.stats()["kv_usage"] == 0 and len(engine.telemetry.snapshots()) == steps
         engine.resume()
 
     asyncio.run(main())

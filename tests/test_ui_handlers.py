@@ -325,7 +325,11 @@ def test_load_generator_runs_follow_the_engine_and_restart_from_zero(tiny_model,
         gen.start(2, rate=1000.0)  # while run 1 still has chats: they join run 1
         await _until(lambda: gen.stats.started == 8)
         assert gen.run == 1 and gen.stats.requested == 8
-        assert gen.status().startswith(f"run 1: 8 requested · {snap.num_running} running · {snap.num_waiting} waiting")
+        # paused: the engine takes them into its waiting queue and amends its newest snapshot, so they count
+        # as waiting at once
+        await _until(lambda: len(eng.telemetry.queue) == snap.num_waiting + 2)
+        assert gen.status().startswith(f"run 1: 8 requested · {snap.num_running} running · "
+                                       f"{snap.num_waiting + 2} waiting ·")
         gen.stop()
         await _until(lambda: gen.active == 0)
         assert gen.stats.cancelled == 8 and gen.run == 1
@@ -333,8 +337,9 @@ def test_load_generator_runs_follow_the_engine_and_restart_from_zero(tiny_model,
         gen.start(3, rate=1000.0)  # a new run: its counts start from zero; run 1's ids in the snapshot don't count
         assert gen.run == 2 and gen.stats.cancelled == 0
         assert gen.status() == "run 2: 3 requested · 0 running · 0 waiting · 0 finished · 0 stopped · 0 failed"
-        await _until(lambda: gen.stats.started == 3 and eng.core.stats().num_waiting == 3)
-        assert gen.status() == "run 2: 3 requested · 0 running · 0 waiting · 3 queued · 0 finished · 0 stopped · 0 failed"
+        await _until(lambda: gen.stats.started == 3 and len(eng.telemetry.queue) == 3)
+        assert gen.status() == "run 2: 3 requested · 0 running · 3 waiting · 0 finished · 0 stopped · 0 failed"
+        assert gen.status("ko").startswith("실행 2: 요청 3 · 실행 중 0 · 대기 중 3")
         eng.step_once()
         await _until(lambda: eng.step_count == 2)
         snap = eng.telemetry.latest()

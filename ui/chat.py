@@ -9,7 +9,7 @@ which frees its KV blocks at its next step (at once while the engine is paused).
 Every reply has a status line of its own (a Chatbot "thought" message above the reply, ``metadata.title``)
 that says where the request is, polled from the engine's telemetry a few times a second: sent, queued
 (position in the waiting queue), prefilling (n of m prompt tokens), decoding, preempted, finished or
-stopped, with "engine paused" while the presenter holds the engine; its ``log`` names the request and its
+stopped, with "engine paused" while the presenter holds the engine; it also names the request and its
 colour in the panels. One reply at a time per tab: a message sent while a reply streams is refused with a
 warning (the Send button is disabled meanwhile), so a double click never starts a hidden second request.
 """
@@ -162,10 +162,12 @@ class ChatHandlers:
         return getter(request_id) if getter is not None else None
 
     def _status(self, lang: str, request_id: str, state: dict | None, tokens: int) -> dict:
+        """The status line message: state, then the request id and its colour (once drawn) in the title, so
+        it stays readable on a projector."""
         text, final = status_text(lang, state, tokens, bool(getattr(self.engine, "paused", False)))
         color = self.describe(request_id, lang) if self.describe is not None else None
-        meta = {"title": text, "log": state_text(lang, "mine", rid=request_id, color=color or "…"),
-                "status": "done" if final else "pending"}
+        mine = state_text(lang, "mine", rid=request_id, color=color) if color else request_id
+        meta = {"title": f"{text} · {mine}", "status": "done" if final else "pending"}
         return {"role": "assistant", "content": "", "metadata": meta}
 
     async def respond(

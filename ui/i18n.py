@@ -57,7 +57,7 @@ EN = {
     "title": "# Continuous Batching Playground",
     "subtitle": "Many chats, one engine: continuous batching over a paged KV cache, drawn live from the "
                 "engine's own state. Open several tabs and chat at once.",
-    "chat": "Chat", "placeholder": "Type a message and press Enter", "send": "Send", "stop": "Stop",
+    "chat": "Chat", "placeholder": "Message (Enter sends)", "send": "Send", "stop": "Stop",
     "clear": "Clear", "sampling": "Sampling", "temperature": "Temperature", "top_p": "Top-p",
     "max_new_tokens": "Max new tokens", "seed": "Seed (-1 = random)",
     "loadgen": "Load generator", "loadgen_help": "For talks: add N synthetic chats (built-in prompts of "
@@ -92,7 +92,7 @@ KO = {
     "title": "# 연속 배칭 플레이그라운드",
     "subtitle": "여러 채팅, 하나의 엔진: 페이지드 KV 캐시 위의 연속 배칭(continuous batching)을 엔진의 실제 "
                 "상태로 실시간으로 그립니다. 탭을 여러 개 열고 동시에 채팅해 보세요.",
-    "chat": "채팅", "placeholder": "메시지를 입력하고 Enter를 누르세요", "send": "보내기", "stop": "중지",
+    "chat": "채팅", "placeholder": "메시지 (Enter로 보내기)", "send": "보내기", "stop": "중지",
     "clear": "지우기", "sampling": "샘플링 설정", "temperature": "온도 (temperature)", "top_p": "Top-p",
     "max_new_tokens": "최대 생성 토큰 수", "seed": "시드 (-1 = 무작위)",
     "loadgen": "부하 생성기", "loadgen_help": "발표용: 길이가 다양한 내장 프롬프트로 가상 채팅 N개를 정한 "
@@ -166,10 +166,10 @@ STATE_TEXTS = {
         "sent": "⏳ Sent to the engine",
         "queued": "⏳ Queued: {position} of {waiting} waiting (every batch slot is busy)",
         "prefilling": "⚙️ Prefilling: {computed} of {prompt} prompt tokens",
-        "decoding": "✍️ Decoding: {tokens} tokens",
+        "decoding": "✍️ Decoding: {tokens} token{s}",
         "preempted": "⏸ Preempted: its blocks were reclaimed; queued again ({position} of {waiting}), it will recompute",
-        "finished": "✓ Finished: {tokens} tokens ({reason})",
-        "stopped": "⏹ Stopped after {tokens} tokens",
+        "finished": "✓ Finished: {tokens} token{s} ({reason})",
+        "stopped": "⏹ Stopped after {tokens} token{s}",
         "failed": "⚠️ Failed",
         "paused": " · engine paused",
         "mine": "your request {rid} · {color}",
@@ -201,4 +201,5 @@ def state_text(lang: str, key: str, **values) -> str:
     Raises:
         KeyError: unknown ``key``.
     """
-    return STATE_TEXTS.get(lang, STATE_TEXTS["en"])[key].format(**values)
+    plural = "" if values.get("tokens") == 1 else "s"  # English only; the Korean texts have no {s}
+    return STATE_TEXTS.get(lang, STATE_TEXTS["en"])[key].format(s=plural, **values)

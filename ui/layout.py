@@ -3,7 +3,9 @@ occupancy, block map, rates) and a "how it works" note. One :func:`build_app` pe
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from typing import Any
 
 import gradio as gr
@@ -107,15 +109,17 @@ def build_app(
         latest = engine.telemetry.latest()
         color = panels.color_name(mine, lang) if mine else None
         mine_line = state_text(lang, "mine_panel", rid=mine, color=color) if mine and color else ""
-        return (*outs, loadgen.status(), pacing_line(engine, key, latest.step if latest else 0, lang), mine_line)
+        return (*outs, loadgen.status(lang), pacing_line(engine, key, latest.step if latest else 0, lang), mine_line)
 
-    async def start_load(n: float, rate: float) -> str:
-        loadgen.start(int(n), float(rate))
-        return loadgen.status()
+    async def start_load(n: float, rate: float, is_host: bool, request: gr.Request) -> str:
+        if allowed(is_host, request):
+            loadgen.start(int(n), float(rate))
+        return loadgen.status(lang_of(request))
 
-    async def stop_load() -> str:
-        loadgen.stop()
-        return loadgen.status()
+    async def stop_load(is_host: bool, request: gr.Request) -> str:
+        if allowed(is_host, request):
+            loadgen.stop()
+        return loadgen.status(lang_of(request))
 
     def clear(request: gr.Request):
         chat.stop(request)
@@ -133,25 +137,42 @@ def build_app(
             gr.Warning(state_text(lang_of(request), "host_only"))
         return bool(is_host)
 
+    def pace_now(request: gr.Request | None) -> str:
+        latest = engine.telemetry.latest()
+        return pacing_line(engine, None, latest.step if latest else 0, lang_of(request))
+
     def pause(is_host: bool, request: gr.Request):
-        if allowed(is_host, request):
-            engine.pause()
+        if not allowed(is_host, request):
+            return gr.skip()
+        engine.pause()
+        return pace_now(request)
 
     def resume(is_host: bool, request: gr.Request):
-        if allowed(is_host, request):
-            engine.resume()
+        if not allowed(is_host, request):
+            return gr.skip()
+        engine.resume()
+        return pace_now(request)
 
-    def step_once(is_host: bool, request: gr.Request):
-        if allowed(is_host, request):
-            engine.step_once()
+    async def step_once(is_host: bool, request: gr.Request):
+        """One engine step; answers once the step has run (at most 2 s), so the line shows the new step."""
+        if not allowed(is_host, request):
+            return gr.skip()
+        before = engine.step_count
+        engine.step_once()
+        deadline = time.monotonic() + 2.0
+        while engine.paused and engine.step_count == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return pace_now(request)
 
     def slow_motion(seconds: float, is_host: bool, request: gr.Request):
-        if allowed(is_host, request):
-            engine.set_min_step_time(float(seconds))
+        if not allowed(is_host, request):
+            return gr.skip()
+        engine.set_min_step_time(float(seconds))
+        return pace_now(request)
 
     def on_load(given_key: str):
         host = is_host_page(host_key, given_key)
-        return (host, *(gr.update(interactive=host) for _ in range(4)))
+        return (host, *(gr.update(interactive=host) for _ in range(6)))
 
     def pin_timeline(back: float):
         latest = engine.telemetry.latest()
@@ -190,15 +211,6 @@ def build_app(
                             stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")
                         load_status = gr.Textbox(label=t("load_status"), interactive=False, elem_id="load-status")
                 with gr.Column(scale=3, min_width=480):
-                    counters = {}
-                    with gr.Row(elem_id="counters"):
-                        for key in COUNTER_KEYS[:4]:
-                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=100,
-                                                       elem_id=f"counter-{key}")
-                    with gr.Row():
-                        for key in COUNTER_KEYS[4:]:
-                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
-                                                       elem_id=f"counter-{key}")
                     with gr.Row(elem_id="pacing", equal_height=False):
                         pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
                         resume_btn = gr.Button(t("resume"), size="sm", min_width=80, elem_id="resume")
@@ -214,6 +226,15 @@ def build_app(
                         look_back = gr.Slider(0, capacity, value=0, step=1, label=t("look_back"), scale=2,
                                               elem_id="look-back")
                         live = gr.Checkbox(value=True, label=t("live"), scale=1)
+                    counters = {}  # below the plots: pacing and both panels fit one 1366x768 screen
+                    with gr.Row(elem_id="counters"):
+                        for key in COUNTER_KEYS[:4]:
+                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=100,
+                                                       elem_id=f"counter-{key}")
+                    with gr.Row():
+                        for key in COUNTER_KEYS[4:]:
+                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
+                                                       elem_id=f"counter-{key}")
                     with gr.Accordion(t("rates"), open=False):
                         rates = gr.Plot(label=t("rates"), show_label=False, elem_id="rates")
                     with gr.Accordion(t("how_title"), open=True):
@@ -233,27 +254,33 @@ def build_app(
         refresh_inputs = [window_steps, seen, mine, pin]
         timer.tick(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
         demo.load(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
-        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow], api_visibility="private",
+        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn],
+                  api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
         live.change(lambda on: gr.Timer(active=bool(on)), live, timer, api_visibility="private")
         look_back.change(pin_timeline, look_back, pin, api_visibility="private", queue=False)
 
-        locked = gr.on([msg.submit, send.click], lock_send, None, send, api_visibility="private", queue=False)
+        # trigger_mode="multiple": a second Send or Enter reaches respond(), which refuses it with a warning
+        pacing_api = "private" if host_key else "public"  # host-only actions: no public API with a host key
+        locked = gr.on([msg.submit, send.click], lock_send, None, send, api_visibility="private", queue=False,
+                       trigger_mode="multiple")
         chat_event = locked.then(
             chat.respond, [msg, chatbot, temperature, top_p, max_new, seed], [chatbot, msg, mine],
-            api_name="chat", concurrency_limit=None, show_progress="minimal",
+            api_name="chat", concurrency_limit=None, show_progress="minimal", trigger_mode="multiple",
         )
         chat_event.then(unlock_send, None, send, api_visibility="private", queue=False)
         stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
         clear_btn.click(clear, None, [chatbot, msg, send, mine], cancels=[chat_event], api_name="clear",
                         concurrency_limit=None)
-        start_btn.click(start_load, [n_chats, rate], load_status, api_name="start_load", concurrency_limit=None)
-        stop_btn.click(stop_load, None, load_status, api_name="stop_load", concurrency_limit=None)
-        pacing_api = "private" if host_key else "public"
-        pause_btn.click(pause, is_host, None, api_name="pause", api_visibility=pacing_api)
-        resume_btn.click(resume, is_host, None, api_name="resume", api_visibility=pacing_api)
-        step_btn.click(step_once, is_host, None, api_name="step", api_visibility=pacing_api, trigger_mode="multiple")
-        slow.change(slow_motion, [slow, is_host], None, api_name="slow_motion", api_visibility=pacing_api)
+        start_btn.click(start_load, [n_chats, rate, is_host], load_status, api_name="start_load",
+                        concurrency_limit=None, api_visibility=pacing_api)
+        stop_btn.click(stop_load, is_host, load_status, api_name="stop_load", concurrency_limit=None,
+                       api_visibility=pacing_api)
+        pause_btn.click(pause, is_host, pace_md, api_name="pause", api_visibility=pacing_api)
+        resume_btn.click(resume, is_host, pace_md, api_name="resume", api_visibility=pacing_api)
+        step_btn.click(step_once, is_host, pace_md, api_name="step", api_visibility=pacing_api,
+                       trigger_mode="multiple", concurrency_limit=None)
+        slow.change(slow_motion, [slow, is_host], pace_md, api_name="slow_motion", api_visibility=pacing_api)
         demo.unload(chat.unload)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
     demo.cbp_loadgen = loadgen

@@ -56,6 +56,16 @@ class LoadStats:
         return self.finished + self.failed + self.cancelled
 
 
+_STATUS = {
+    "en": {"none": "no run yet", "queued": " · {} queued",
+           "line": "run {run}: {requested} requested · {running} running · {waiting} waiting{queued} · "
+                   "{finished} finished · {stopped} stopped · {failed} failed"},
+    "ko": {"none": "아직 실행 없음", "queued": " · 전달 중 {}",
+           "line": "실행 {run}: 요청 {requested} · 실행 중 {running} · 대기 중 {waiting}{queued} · "
+                   "완료 {finished} · 중지 {stopped} · 실패 {failed}"},
+}
+
+
 class LoadGenerator:
     """Adds synthetic chats to an engine; one instance per process, shared by all tabs.
 
@@ -203,8 +213,8 @@ class LoadGenerator:
         self._counted = (snap, self.stats.run, running, waiting, ended)
         return running, waiting, ended
 
-    def status(self) -> str:
-        """One line for the UI about the current run, e.g.
+    def status(self, lang: str = "en") -> str:
+        """One line for the UI about the current run (English, or Korean for ``lang="ko"``), e.g.
         ``"run 2: 32 requested · 16 running · 16 waiting · 0 finished · 0 stopped · 0 failed"``.
 
         "running" and "waiting" count the run's requests in the engine's newest step snapshot
@@ -221,10 +231,11 @@ class LoadGenerator:
             the line; ``"no run yet"`` before the first :meth:`start`.
         """
         s = self.stats
+        text = _STATUS.get(lang, _STATUS["en"])
         if s.run == 0:
-            return "no run yet"
+            return text["none"]
         running, waiting, ended = self._engine_counts()
         queued = sum(1 for r in self._live if r not in running and r not in waiting and r not in ended)
-        queued_part = f" · {queued} queued" if queued else ""
-        return (f"run {s.run}: {s.requested} requested · {len(running)} running · {len(waiting)} waiting"
-                f"{queued_part} · {s.finished} finished · {s.cancelled} stopped · {s.failed} failed")
+        queued_part = text["queued"].format(queued) if queued else ""
+        return text["line"].format(run=s.run, requested=s.requested, running=len(running), waiting=len(waiting),
+                                   queued=queued_part, finished=s.finished, stopped=s.cancelled, failed=s.failed)

@@ -24,6 +24,7 @@ from gradio.components.plot import PlotData
 from ui import figures
 from ui.i18n import figure_labels
 
+PLOT_HEIGHT = 280  # pixels: the pacing row and both panels fit one 1366x768 screen
 COUNTER_KEYS = ("running", "waiting", "kv_usage", "tokens_per_s", "ttft", "tpot", "totals", "prefix_cache")
 
 
@@ -72,21 +73,23 @@ class Panels:
     def build(self, window: int, lang: str, end: int | None = None) -> tuple[tuple, tuple[Any, Any, Any]]:
         """Build the three figures now (any thread): returns ``(key, (occupancy, blocks, rates))``.
 
-        ``key`` is ``(last step drawn, window, lang, end)``; the figures are ``go.Figure`` objects; ``end``
-        pins the window's last step (None: the newest step).
+        ``key`` is ``(last step drawn, window, lang, end, telemetry version)``; the figures are ``go.Figure``
+        objects; ``end`` pins the window's last step (None: the newest step).
         """
         key, _snaps, figs = self._build(window, lang, end)
         return key, figs
 
     def _build(self, window: int, lang: str, end: int | None):
+        version = getattr(self.telemetry, "version", 0)
         snaps = self._window(window, end)
         labels = figure_labels(lang)
         colors = self.colors.update(snaps)
         last = snaps[-1] if snaps else None
-        key = (last.step if last else 0, window, lang, end)
+        key = (last.step if last else 0, window, lang, end, version)
         figs = (
-            figures.occupancy_figure(snaps, colors, labels, num_slots=self.num_slots, window=window),
-            figures.block_map_figure(last, colors, labels, num_blocks=self.num_blocks),
+            figures.occupancy_figure(snaps, colors, labels, num_slots=self.num_slots, window=window,
+                                     height=PLOT_HEIGHT),
+            figures.block_map_figure(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT),
             figures.rates_figure(snaps, labels),
         )
         return key, snaps, figs
@@ -100,13 +103,9 @@ class Panels:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if end is None:
-                latest = self.telemetry.latest()
-                step = latest.step if latest else 0
-            else:
-                step = None
+            version = getattr(self.telemetry, "version", None)
             cached = self._cache.get((window, lang, end))
-            if cached is None or (step is not None and cached[0][0] != step):
+            if cached is None or (end is None and cached[0][4] != version):
                 async with self.throttler:
                     cached = await asyncio.to_thread(self._build_serialised, window, lang, end)
                     self.builds += 1
