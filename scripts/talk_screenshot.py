@@ -1,8 +1,9 @@
 """Take the README's talk-mode screenshot: the playground on the embedded model, paused mid-handover.
 
 Starts the app in this process (4 batch slots, 96 KV blocks), opens it in Debian's chromium at 1366x768,
-sends one chat from the page, adds 16 synthetic chats with the page's load generator, runs the engine in slow motion
-and pauses it in the step right after a waiting request took a finished one's slot; then saves the page.
+adds 16 synthetic chats with the page's load generator, sends one chat from the page, runs the engine in slow
+motion and pauses it in the step right after a waiting request took a finished one's slot while the page's
+own chat runs (outlined); then saves the page.
 
     .venv/bin/python scripts/talk_screenshot.py --out docs/talk-mode.png
 """
@@ -39,6 +40,12 @@ def handover(engine) -> bool:
                for s in snaps[-1].batch_slots)
 
 
+def mine_running(engine) -> bool:
+    """True when the page's own chat (``chat-*``) holds blocks in the newest step (so it is outlined)."""
+    snap = engine.telemetry.latest()
+    return any(r.startswith("chat-") for r in snap.block_tables)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/talk-mode.png")
@@ -58,13 +65,16 @@ def main() -> None:
             page.set_default_timeout(120_000)
             page.goto(f"http://127.0.0.1:{port}/")
             page.wait_for_selector("#msg textarea")
+            page.click("#start-load")  # 16 synthetic chats, 4 a second, on the app's own event loop
+            end = time.monotonic() + 60
+            while time.monotonic() < end and not engine.telemetry.latest():
+                time.sleep(0.05)
+            engine.set_min_step_time(0.15)
             page.fill("#msg textarea", "Explain in a few sentences how a paged KV cache lets many chats share "
                       "one machine.")
             page.click("#send")
-            page.click("#start-load")  # 16 synthetic chats, 4 a second, on the app's own event loop
-            engine.set_min_step_time(0.15)
             end = time.monotonic() + 300
-            while time.monotonic() < end and not (handover(engine) and engine.step_count > 40):
+            while time.monotonic() < end and not (handover(engine) and mine_running(engine)):
                 time.sleep(0.01)
             engine.pause()
             time.sleep(2.0)  # a few panel refreshes
