@@ -366,3 +366,37 @@ def test_an_engine_that_is_down_fails_the_reply_instead_of_waiting_forever():
     outs = asyncio.run(asyncio.wait_for(collect(chat.respond("x", [], 0.7, 0.9, 16, -1, req())), 5))
     text, title = reply_of(outs[-1][0])
     assert "not running" in text and title.startswith("⚠️") and len(chat.active) == 0
+
+
+def test_a_failed_turn_is_never_sent_to_the_model_again():
+    chat = ChatHandlers(StubEngine(reject="the prompt has 5030 tokens, but the context length is 1536"), poll_s=0.01)
+    outs = asyncio.run(collect(chat.respond("a very long message", [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "content": "hello"}],
+                                            0.7, 0.9, 16, -1, req())))
+    history = outs[-1][0]
+    assert history[-2]["metadata"]["id"] == "cbp-failed" and "5030" in history[-1]["content"]
+    eng = StubEngine()
+    asyncio.run(collect(ChatHandlers(eng, poll_s=0.01).respond("next", history, 0.7, 0.9, 16, -1, req())))
+    assert eng.calls[0][1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                               {"role": "user", "content": "next"}]
+
+
+def test_clear_ends_the_reply_without_another_update():
+    async def run():
+        gate = asyncio.Event()
+        eng = StubEngine(gate=gate)
+        chat = ChatHandlers(eng, poll_s=0.01)
+        gen = chat.respond("a", [{"role": "user", "content": "old"}], 0.7, 0.9, 16, -1, req("s1"))
+        await gen.__anext__()
+        task = asyncio.ensure_future(collect(gen))
+        await asyncio.sleep(0.05)
+        chat.clear(req("s1"))
+        return eng, chat, await asyncio.wait_for(task, 5)
+
+    eng, chat, rest = asyncio.run(run())
+    assert rest == [] and eng.aborted == [eng.calls[0][0]] and len(chat.active) == 0
+
+
+def test_queued_again_after_holding_a_slot_is_preempted_even_before_the_first_token():
+    text, _ = status_text("en", {"state": "queued", "position": 1, "waiting": 3}, 0, False, started=True)
+    assert text.startswith("⏸ Preempted")

@@ -43,17 +43,35 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
+FAILED_ID = "cbp-failed"  # metadata id of the status line of a failed turn
+
+
+def _meta(m: Any) -> dict:
+    return (m.get("metadata") if isinstance(m, dict) else getattr(m, "metadata", None)) or {}
+
+
 def to_messages(history: list[dict] | None) -> list[dict[str, str]]:
     """Chat-template messages (``{"role", "content"}`` with string content) from a Chatbot value.
 
-    Empty assistant messages (a reply that was stopped before its first token) are dropped.
+    Status lines are dropped, and so is every failed turn (a status line with ``metadata.id`` equal to
+    :data:`FAILED_ID`: the user message before it and the error shown after it), so a refused prompt never
+    goes to the model again. Empty assistant messages (a reply stopped before its first token) are dropped.
     """
-    out = []
+    out: list[dict[str, str]] = []
+    skipping = False  # inside a failed turn: drop its reply (the error text)
     for m in history or []:
         role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
         content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
         text = message_text(content)
         if is_status(m):
+            if _meta(m).get("id") == FAILED_ID:
+                if out and out[-1]["role"] == "user":
+                    out.pop()
+                skipping = True
+            continue
+        if role == "user":
+            skipping = False
+        if skipping:
             continue
         if role in ("user", "assistant", "system") and (text or role == "user"):
             out.append({"role": role, "content": text})
@@ -105,7 +123,7 @@ def is_status(message: Any) -> bool:
     return bool(meta and meta.get("title"))
 
 
-def status_text(lang: str, state: dict | None, tokens: int, paused: bool) -> tuple[str, bool]:
+def status_text(lang: str, state: dict | None, tokens: int, paused: bool, started: bool = False) -> tuple[str, bool]:
     """The status line of a streaming reply and whether it is final.
 
     Args:
@@ -114,11 +132,12 @@ def status_text(lang: str, state: dict | None, tokens: int, paused: bool) -> tup
             yet), or ``{"state": "done" | "stopped" | "failed", "reason": str}`` from the stream's end.
         tokens: tokens generated so far; a queued request that already generated some was preempted.
         paused: the engine is paused (appends "engine paused" to a line that is not final).
+        started: the request has held a batch slot before (queued again means preempted, even in prefill).
     """
     kind = (state or {}).get("state")
     final = kind in ("done", "stopped", "failed")
     if kind == "queued":
-        key = "preempted" if tokens else "queued"
+        key = "preempted" if tokens or started else "queued"
         text = state_text(lang, key, position=state.get("position", "?"), waiting=state.get("waiting", "?"))
     elif kind == "prefilling":
         text = state_text(lang, "prefilling", computed=state["computed"], prompt=state["prompt"])
@@ -154,20 +173,23 @@ class ChatHandlers:
         self.active = ActiveRequests()
         self.describe = describe
         self.poll_s = poll_s
-        self._stopping: set[str] = set()
+        self._stopping: set[str] = set()  # Stop pressed: the reply ends with a "stopped" status line
+        self._cleared: set[str] = set()  # Clear pressed: the reply ends without another update
 
     def _state(self, request_id: str) -> dict | None:
         telemetry = getattr(self.engine, "telemetry", None)
         getter = getattr(telemetry, "request_state", None)
         return getter(request_id) if getter is not None else None
 
-    def _status(self, lang: str, request_id: str, state: dict | None, tokens: int) -> dict:
+    def _status(self, lang: str, request_id: str, state: dict | None, tokens: int, started: bool = False) -> dict:
         """The status line message: state, then the request id and its colour (once drawn) in the title, so
-        it stays readable on a projector."""
-        text, final = status_text(lang, state, tokens, bool(getattr(self.engine, "paused", False)))
+        it stays readable on a projector; a failed turn's line carries ``metadata.id`` :data:`FAILED_ID`."""
+        text, final = status_text(lang, state, tokens, bool(getattr(self.engine, "paused", False)), started)
         color = self.describe(request_id, lang) if self.describe is not None else None
         mine = state_text(lang, "mine", rid=request_id, color=color) if color else request_id
         meta = {"title": f"{text} · {mine}", "status": "done" if final else "pending"}
+        if (state or {}).get("state") == "failed":
+            meta["id"] = FAILED_ID
         return {"role": "assistant", "content": "", "metadata": meta}
 
     async def respond(
@@ -211,6 +233,7 @@ class ChatHandlers:
         finally:
             self.active.discard(session, request_id)
             self._stopping.discard(request_id)
+            self._cleared.discard(request_id)
 
     async def _stream(self, history, message, messages, params, request_id, lang) -> AsyncIterator[tuple]:
         shown_before = [*(history or []), {"role": "user", "content": message}]
@@ -218,7 +241,7 @@ class ChatHandlers:
         def shown(status: dict, reply: str) -> list[dict]:  # a new list per yield: Gradio diffs old vs new
             return [*shown_before, status, *([{"role": "assistant", "content": reply}] if reply else [])]
 
-        text, tokens = "", 0
+        text, tokens, started = "", 0, False
         status = self._status(lang, request_id, None, 0)
         yield (shown(status, ""), "", request_id)
         queue: asyncio.Queue = asyncio.Queue()
@@ -229,6 +252,8 @@ class ChatHandlers:
                     out = await asyncio.wait_for(queue.get(), timeout=self.poll_s)
                 except TimeoutError:
                     out = None
+                if request_id in self._cleared:  # the tab was cleared: nothing more to show
+                    return
                 if request_id in self._stopping:
                     final = {"state": "stopped"}
                 elif out is _END:
@@ -249,7 +274,8 @@ class ChatHandlers:
                 else:
                     final = None
                 state = final or self._state(request_id)
-                new_status = self._status(lang, request_id, state, tokens)
+                started = started or (state or {}).get("state") in ("prefilling", "decoding")
+                new_status = self._status(lang, request_id, state, tokens, started)
                 if out is not None or final is not None or new_status != status:
                     status = new_status
                     yield (shown(status, text), gr.skip(), gr.skip())
@@ -277,6 +303,14 @@ class ChatHandlers:
         session = getattr(request, "session_hash", None) or "anonymous"
         for request_id in self.active.of(session):
             self._stopping.add(request_id)
+            self.engine.abort(request_id)
+
+    def clear(self, request: gr.Request) -> None:
+        """Abort every reply the calling session is streaming, with no further update of its chat (the tab's
+        conversation is being emptied: a late "stopped" line must not bring it back)."""
+        session = getattr(request, "session_hash", None) or "anonymous"
+        for request_id in self.active.of(session):
+            self._cleared.add(request_id)
             self.engine.abort(request_id)
 
     def unload(self, request: gr.Request) -> None:

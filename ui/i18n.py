@@ -164,7 +164,7 @@ def figure_labels(lang: str) -> dict[str, str]:
 STATE_TEXTS = {
     "en": {
         "sent": "⏳ Sent to the engine",
-        "queued": "⏳ Queued: {position} of {waiting} waiting (every batch slot is busy)",
+        "queued": "⏳ Queued: {position} of {waiting} waiting",
         "prefilling": "⚙️ Prefilling: {computed} of {prompt} prompt tokens",
         "decoding": "✍️ Decoding: {tokens} token{s}",
         "preempted": "⏸ Preempted: its blocks were reclaimed; queued again ({position} of {waiting}), it will recompute",
@@ -179,7 +179,7 @@ STATE_TEXTS = {
     },
     "ko": {
         "sent": "⏳ 엔진에 보냄",
-        "queued": "⏳ 대기 중: 대기열 {waiting}개 중 {position}번째 (배치 슬롯이 모두 사용 중)",
+        "queued": "⏳ 대기 중: 대기열 {waiting}개 중 {position}번째",
         "prefilling": "⚙️ 프리필 중: 프롬프트 토큰 {prompt}개 중 {computed}개",
         "decoding": "✍️ 디코딩 중: 토큰 {tokens}개",
         "preempted": "⏸ 선점됨: 블록을 돌려주고 다시 대기 중 ({waiting}개 중 {position}번째), 다시 계산합니다",

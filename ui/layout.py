@@ -122,7 +122,7 @@ def build_app(
         return loadgen.status(lang_of(request))
 
     def clear(request: gr.Request):
-        chat.stop(request)
+        chat.clear(request)
         return [], "", gr.update(interactive=True), None
 
     def lock_send():
