@@ -400,3 +400,16 @@ def test_clear_ends_the_reply_without_another_update():
 def test_queued_again_after_holding_a_slot_is_preempted_even_before_the_first_token():
     text, _ = status_text("en", {"state": "queued", "position": 1, "waiting": 3}, 0, False, started=True)
     assert text.startswith("⏸ Preempted")
+
+
+def test_host_key_and_pace_line():
+    from ui.layout import is_host_page, pacing_line
+
+    assert is_host_page(None, None) and is_host_page("", "anything")
+    assert is_host_page("k3y", "k3y") and not is_host_page("k3y", "") and not is_host_page("k3y", "k3")
+    eng = SimpleNamespace(step_count=42, paused=True, min_step_time=0.5)
+    line = pacing_line(eng, (40, 96, "en", 40, 7), 42, "en")
+    assert "Engine paused" in line and "step 42" in line and "0.50 s per step" in line and "pinned at step 40" in line
+    assert "일시 정지" in pacing_line(eng, None, 42, "ko")
+    assert pacing_line(SimpleNamespace(step_count=3, paused=False, min_step_time=0.0), None, 3, "en") == \
+        "▶ Engine running · step 3"

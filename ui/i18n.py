@@ -203,3 +203,14 @@ def state_text(lang: str, key: str, **values) -> str:
     """
     plural = "" if values.get("tokens") == 1 else "s"  # English only; the Korean texts have no {s}
     return STATE_TEXTS.get(lang, STATE_TEXTS["en"])[key].format(s=plural, **values)
+
+
+# The pace line above the panels (server-side, like the status lines).
+PACE_TEXTS = {
+    "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
+           "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
+           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live"},
+    "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
+           "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
+           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다"},
+}

@@ -1,5 +1,6 @@
-"""The page: chat column (chat, sampling, load generator) beside the live panels (counters, slot
-occupancy, block map, rates) and a "how it works" note. One :func:`build_app` per engine."""
+"""The page: chat column (chat, sampling, load generator) beside the live panels (talk-mode controls,
+slot occupancy, block map, timeline, counters, rates) and a "how it works" note. One :func:`build_app` per
+engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import gradio as gr
 
 from ui.chat import ChatHandlers
 from ui.compare import build_compare_tab
-from ui.i18n import I18N, language, state_text, t
+from ui.i18n import I18N, PACE_TEXTS, language, state_text, t
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, Panels
 
@@ -46,16 +47,6 @@ def pacing_line(engine: Any, snaps_key: tuple | None, newest: int | None, lang: 
     if snaps_key and snaps_key[3] is not None:
         line += L["pinned"].format(end=snaps_key[0], newest=newest)
     return line
-
-
-PACE_TEXTS = {
-    "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
-           "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
-           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live"},
-    "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
-           "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
-           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다"},
-}
 
 
 def is_host_page(host_key: str | None, given: str | None) -> bool:
