@@ -117,6 +117,11 @@ class ActiveRequests:
         return sum(len(v) for v in self._by_session.values())
 
 
+def session_of(request: gr.Request | None) -> str:
+    """The Gradio session (browser tab) of a request; ``"anonymous"`` when there is none."""
+    return getattr(request, "session_hash", None) or "anonymous"
+
+
 def is_status(message: Any) -> bool:
     """True for a status line (a Chatbot message with ``metadata.title``): shown, never sent to the model."""
     meta = message.get("metadata") if isinstance(message, dict) else getattr(message, "metadata", None)
@@ -210,7 +215,7 @@ class ChatHandlers:
         message stays in the textbox.
         """
         message = (message or "").strip()
-        session = getattr(request, "session_hash", None) or "anonymous"
+        session = session_of(request)
         headers = getattr(request, "headers", None) or {}
         lang = language(headers.get("accept-language"))
         if not message:
@@ -297,21 +302,21 @@ class ChatHandlers:
         else:
             queue.put_nowait(_END)  # the stream ended (normally after its finished output)
 
+    def _abort_session(self, request: gr.Request, mark: set[str]) -> None:
+        """Abort every reply the calling session streams, after adding its request id to ``mark``."""
+        for request_id in self.active.of(session_of(request)):
+            mark.add(request_id)
+            self.engine.abort(request_id)
+
     def stop(self, request: gr.Request) -> None:
         """Stop every reply the calling session is streaming: its request is aborted in the engine (KV
         blocks freed at its next step, at once while paused) and its status line says "stopped"."""
-        session = getattr(request, "session_hash", None) or "anonymous"
-        for request_id in self.active.of(session):
-            self._stopping.add(request_id)
-            self.engine.abort(request_id)
+        self._abort_session(request, self._stopping)
 
     def clear(self, request: gr.Request) -> None:
         """Abort every reply the calling session is streaming, with no further update of its chat (the tab's
         conversation is being emptied: a late "stopped" line must not bring it back)."""
-        session = getattr(request, "session_hash", None) or "anonymous"
-        for request_id in self.active.of(session):
-            self._cleared.add(request_id)
-            self.engine.abort(request_id)
+        self._abort_session(request, self._cleared)
 
     def unload(self, request: gr.Request) -> None:
         """When a tab closes, abort what it was still streaming (same as :meth:`stop`)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import gradio as gr
 
-from ui.chat import ChatHandlers
+from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
 from ui.i18n import I18N, PACE_TEXTS, language, state_text, t
 from ui.loadgen import LoadGenerator
@@ -32,9 +32,10 @@ def engine_summary(engine: Any, model_name: str | None = None) -> str:
             f"**{get('block_size')}** tokens · policy `{get('policy')}` · context {get('max_model_len')} tokens")
 
 
-def pacing_line(engine: Any, snaps_key: tuple | None, newest: int | None, lang: str) -> str:
+def pacing_line(engine: Any, snaps_key: tuple | None, lang: str) -> str:
     """One Markdown line: the engine's pace (running / paused at step n / slow motion) and which steps
-    the panels show (live or pinned on the timeline)."""
+    the panels show (live, or pinned on the timeline when ``snaps_key``, a :meth:`Panels.refresh` key,
+    has an end step)."""
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
     step = getattr(engine, "step_count", None)
     if getattr(engine, "paused", False):
@@ -45,7 +46,7 @@ def pacing_line(engine: Any, snaps_key: tuple | None, newest: int | None, lang: 
     if slow > 0:
         line += L["slow"].format(s=slow)
     if snaps_key and snaps_key[3] is not None:
-        line += L["pinned"].format(end=snaps_key[0], newest=newest)
+        line += L["pinned"].format(end=snaps_key[0], newest=step)
     return line
 
 
@@ -96,11 +97,9 @@ def build_app(
                       request: gr.Request):
         lang = lang_of(request)
         outs = await panels.refresh(window_steps, seen, lang, mine=mine, end=pin)
-        key = outs[-1]
-        latest = engine.telemetry.latest()
         color = panels.color_name(mine, lang) if mine else None
         mine_line = state_text(lang, "mine_panel", rid=mine, color=color) if mine and color else ""
-        return (*outs, loadgen.status(lang), pacing_line(engine, key, latest.step if latest else 0, lang), mine_line)
+        return (*outs, loadgen.status(lang), pacing_line(engine, outs[-1], lang), mine_line)
 
     async def start_load(n: float, rate: float, is_host: bool, request: gr.Request) -> str:
         if allowed(is_host, request):
@@ -120,8 +119,7 @@ def build_app(
         return gr.update(interactive=False)
 
     def unlock_send(request: gr.Request):
-        session = getattr(request, "session_hash", None) or "anonymous"
-        return gr.update(interactive=not chat.active.of(session))
+        return gr.update(interactive=not chat.active.of(session_of(request)))
 
     def allowed(is_host: bool, request: gr.Request | None) -> bool:
         if not is_host:
@@ -129,8 +127,7 @@ def build_app(
         return bool(is_host)
 
     def pace_now(request: gr.Request | None) -> str:
-        latest = engine.telemetry.latest()
-        return pacing_line(engine, None, latest.step if latest else 0, lang_of(request))
+        return pacing_line(engine, None, lang_of(request))
 
     def pause(is_host: bool, request: gr.Request):
         if not allowed(is_host, request):

@@ -80,7 +80,7 @@ class Panels:
         return key, figs
 
     def _build(self, window: int, lang: str, end: int | None):
-        version = getattr(self.telemetry, "version", 0)
+        version = self.telemetry.version
         snaps = self._window(window, end)
         labels = figure_labels(lang)
         colors = self.colors.update(snaps)
@@ -103,9 +103,8 @@ class Panels:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            version = getattr(self.telemetry, "version", None)
             cached = self._cache.get((window, lang, end))
-            if cached is None or (end is None and cached[0][4] != version):
+            if cached is None or (end is None and cached[0][4] != self.telemetry.version):
                 async with self.throttler:
                     cached = await asyncio.to_thread(self._build_serialised, window, lang, end)
                     self.builds += 1
