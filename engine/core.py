@@ -426,9 +426,9 @@ class EngineCore:
         """Between steps (a paused engine took requests or aborts): the newest snapshot's pool, block tables
         and queue become what they are now, so the panels show freed blocks and queued requests at once."""
         waiting = tuple(r.request_id for r in self.scheduler.waiting)
-        self.telemetry.set_queue(waiting)
         last = self.telemetry.latest()
-        if last is None:
+        if last is None:  # before the first step: only the queue (amend_latest sets it otherwise)
+            self.telemetry.set_queue(waiting)
             return
         kv = self.kv.snapshot(self.scheduler.running)
         self.telemetry.amend_latest(dataclasses.replace(
