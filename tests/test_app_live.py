@@ -8,7 +8,6 @@ Set ``CBP_TEST_MODEL`` to run them on another model than the embedded one.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,19 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 
-CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")  # Debian's package
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+from tests._browser import CHROMIUM, CHROMIUM_FLAGS, serve, wait
+
 PROMPTS = ["Write a long story about a dragon who learns to bake bread.",
            "Write a long poem about the ocean at night.",
            "Explain in detail how a steam engine works.",
            "Describe a busy market in Seoul in great detail."]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +30,12 @@ def live_app():
     """The playground on a loopback port: ``url``, ``engine``, ``demo``."""
     async_engine = pytest.importorskip("engine.async_engine", reason="the engine is not there yet")
     gradio_client = pytest.importorskip("gradio_client")
-    from ui.layout import build_app, launch
+    from ui.layout import build_app
 
     engine = async_engine.AsyncEngine.from_args(model=os.environ.get("CBP_TEST_MODEL") or None,
                                                 max_num_seqs=8, num_blocks=256, block_size=16)
     demo = build_app(engine, refresh_s=0.5)
-    port = _free_port()
-    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    url = f"http://127.0.0.1:{port}/"
+    url = serve(demo)
     yield SimpleNamespace(url=url, engine=engine, demo=demo, Client=gradio_client.Client)
     demo.close()
     engine.shutdown()
@@ -54,15 +45,6 @@ def _chat_ids_running(snap) -> set[str]:
     return {s.request_id for s in snap.batch_slots if s.request_id and s.request_id.startswith("chat-")
             and s.phase in ("prefill", "decode")}
 
-
-def _wait(cond, timeout: float, every: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    return cond()
 
 
 def test_four_clients_stream_concurrently(live_app):
@@ -101,11 +83,11 @@ def _start_long_chat(live_app, client):
     chat = live_app.demo.cbp_chat
     job = client.submit("Write a very long essay about the history of Rome.", [], 0.0, 1.0, 400, 0,
                         api_name="/chat")
-    ids = _wait(lambda: chat.active.of(client.session_hash), timeout=120)
+    ids = wait(lambda: chat.active.of(client.session_hash), timeout=120)
     assert ids, "the chat never started"
     rid = ids[0]
     tel = live_app.engine.telemetry
-    assert _wait(lambda: tel.latest() and len(tel.latest().block_tables.get(rid, ())) > 0, timeout=120)
+    assert wait(lambda: tel.latest() and len(tel.latest().block_tables.get(rid, ())) > 0, timeout=120)
     return job, rid
 
 
@@ -116,7 +98,7 @@ def _assert_freed_within_a_few_steps(live_app, rid, step_at_stop):
         snap = tel.latest()
         return snap if rid not in snap.block_tables and all(s.request_id != rid for s in snap.batch_slots) else None
 
-    snap = _wait(freed, timeout=30)
+    snap = wait(freed, timeout=30)
     assert snap is not None, f"{rid} still holds blocks 30 s after it was stopped"
     print(f"{rid}: blocks freed {snap.step - step_at_stop} step(s) after the stop")
     assert snap.step - step_at_stop <= 3, f"blocks freed only {snap.step - step_at_stop} steps after the stop"
@@ -130,7 +112,7 @@ def test_stop_frees_the_requests_blocks(live_app):
     job, rid = _start_long_chat(live_app, client)
     client.predict(api_name="/stop")  # returns once the handler has called engine.abort
     _assert_freed_within_a_few_steps(live_app, rid, live_app.engine.telemetry.latest().step)
-    _wait(job.done, timeout=30)
+    wait(job.done, timeout=30)
     client.close()
 
 
@@ -164,14 +146,14 @@ def test_client_that_goes_away_frees_the_requests_blocks(live_app):
         reader.start()
         reader.join(timeout=180)
         assert lines and lines[0].strip() == "streaming", "the client's chat did not stream within 180 s"
-        new = _wait(lambda: {r for r in tel.latest().block_tables if r.startswith("chat-")} - before, timeout=30)
+        new = wait(lambda: {r for r in tel.latest().block_tables if r.startswith("chat-")} - before, timeout=30)
         assert len(new) == 1, new
         rid = new.pop()
     finally:
         proc.kill()
         proc.wait(timeout=30)
     killed_at = time.monotonic()
-    gone = _wait(lambda: rid not in tel.latest().block_tables, timeout=60, every=0.05)
+    gone = wait(lambda: rid not in tel.latest().block_tables, timeout=60, every=0.05)
     assert gone, f"{rid} still holds blocks 60 s after its client went away"
     print(f"{rid}: blocks freed {time.monotonic() - killed_at:.2f} s after its client was killed")
     assert rid in {r for s in tel.snapshots() for r in s.finished}
@@ -226,7 +208,7 @@ def test_browser_two_contexts_chat_at_once_and_panels_render(request):
             running = {r for r in tel.latest().block_tables if r.startswith("chat-")}
             for page in pages:
                 page.context.close()
-            gone = _wait(lambda: not running & set(tel.latest().block_tables), timeout=60, every=0.2)
+            gone = wait(lambda: not running & set(tel.latest().block_tables), timeout=60, every=0.2)
             assert gone, f"closed tabs still hold blocks: {running & set(tel.latest().block_tables)}"
         finally:
             browser.close()

@@ -9,12 +9,12 @@ Skipped when chromium or playwright is missing.
 from __future__ import annotations
 
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 
-CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")  # Debian's package
+from tests._browser import CHROMIUM, CHROMIUM_FLAGS, serve
+
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
@@ -24,29 +24,20 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from ui import compare, i18n  # noqa: E402
 
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 WIDTH, HEIGHT = 1366, 768  # a projector / small laptop screen
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model, tokenizer):
     """The playground on the tiny model at a loopback port: ``url``, ``runs`` (the classic preset's runs,
     for the expected headline)."""
-    from ui.layout import build_app, launch
+    from ui.layout import build_app
 
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), model=tiny_model,
                                     tokenizer=tokenizer))
     demo = build_app(engine, refresh_s=2.0)
-    port = _free_port()
-    launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}/", runs=compare.run_compare(tiny_model, tokenizer, "classic"))
+    yield SimpleNamespace(url=serve(demo), runs=compare.run_compare(tiny_model, tokenizer, "classic"))
     demo.close()
     engine.shutdown()
 

@@ -10,35 +10,16 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 
-CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run"]
+from tests._browser import CHROMIUM, CHROMIUM_FLAGS, serve, wait
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, timeout: float = 30.0, every: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    return cond()
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +28,17 @@ def talk(tiny_model, tokenizer):
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from ui.layout import build_app, launch
+    from ui.layout import build_app
 
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=96, block_size=4, max_num_seqs=2), model=tiny_model,
                                     tokenizer=tokenizer))
     demos, urls = [], []
     for key in (None, "s3cret"):
         demo = build_app(engine, refresh_s=0.25, host_key=key)
-        port = _free_port()
-        launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        urls.append(serve(demo))
         demos.append(demo)
-        urls.append(f"http://127.0.0.1:{port}/")
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         yield SimpleNamespace(engine=engine, demo=demos[0], url=urls[0], hosted=urls[1], browser=browser)
         browser.close()
     for demo in demos:
@@ -99,18 +78,18 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
     page = _page(talk)
     try:
         page.click("#pause")
-        assert _wait(lambda: engine.paused), "Pause did not pause the engine"
+        assert wait(lambda: engine.paused), "Pause did not pause the engine"
         page.wait_for_selector("#pace-status:has-text('Engine paused')")
         _send(page, "Hello, who are you?")
         # queued while paused: the reply's own bubble says so, Send is disabled meanwhile
         page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued: 1 of 1')")
         assert "engine paused" in _chat_text(page)
         assert page.locator("#send").is_disabled()
-        rid = _wait(lambda: [r for ids in chat.active._by_session.values() for r in ids])[0]
+        rid = wait(lambda: [r for ids in chat.active._by_session.values() for r in ids])[0]
         before = engine.step_count
         for k in (1, 2, 3):  # one press, one engine step
             page.click("#step")
-            assert _wait(lambda k=k: engine.step_count == before + k, 10), (engine.step_count, before + k)
+            assert wait(lambda k=k: engine.step_count == before + k, 10), (engine.step_count, before + k)
             # the pace line answers the press itself: the new step shows without waiting for a refresh
             page.wait_for_selector(f"#pace-status:has-text('after step {before + k}:')", timeout=2_000)
             time.sleep(0.3)
@@ -134,9 +113,9 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
         box.press("Enter")
         page.wait_for_function("() => !document.querySelector('#pace-status').innerText.includes('pinned')")
         page.click("#resume")
-        assert _wait(lambda: not engine.paused)
+        assert wait(lambda: not engine.paused)
         page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Finished')", timeout=60_000)
-        assert _wait(lambda: not page.locator("#send").is_disabled(), 10), "Send stayed disabled after the reply"
+        assert wait(lambda: not page.locator("#send").is_disabled(), 10), "Send stayed disabled after the reply"
     finally:
         engine.resume()
         page.context.close()
@@ -157,11 +136,11 @@ def test_double_click_on_send_starts_one_request(talk):
         time.sleep(1.0)
         ids = [r for ids in chat.active._by_session.values() for r in ids]
         assert len(ids) == 1, f"hidden requests: {ids}"
-        assert _wait(lambda: [r for r in engine.telemetry.queue if r.startswith("chat-")] == ids, 5)
+        assert wait(lambda: [r for r in engine.telemetry.queue if r.startswith("chat-")] == ids, 5)
         page.click("#stop")  # stopped while paused: the status says so and the queue is empty again
         page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Stopped')")
-        assert _wait(lambda: not [r for r in engine.telemetry.queue if r.startswith("chat-")], 5)
-        assert _wait(lambda: not page.locator("#send").is_disabled(), 10)
+        assert wait(lambda: not [r for r in engine.telemetry.queue if r.startswith("chat-")], 5)
+        assert wait(lambda: not page.locator("#send").is_disabled(), 10)
     finally:
         engine.resume()
         page.context.close()
@@ -174,11 +153,11 @@ def test_slow_motion_from_the_page(talk):
         box = page.locator("#slow-motion input[type=number]")
         box.fill("0.4")
         box.press("Enter")
-        assert _wait(lambda: abs(engine.min_step_time - 0.4) < 1e-9, 10), engine.min_step_time
+        assert wait(lambda: abs(engine.min_step_time - 0.4) < 1e-9, 10), engine.min_step_time
         page.wait_for_selector("#pace-status:has-text('slow motion: 0.40 s per step')")
         box.fill("0")
         box.press("Enter")
-        assert _wait(lambda: engine.min_step_time == 0.0, 10)
+        assert wait(lambda: engine.min_step_time == 0.0, 10)
     finally:
         engine.set_min_step_time(0.0)
         page.context.close()
@@ -189,15 +168,15 @@ def test_pacing_is_for_the_host_when_a_host_key_is_set(talk):
     guest = _page(talk, talk.hosted)
     host = _page(talk, talk.hosted + "?host=s3cret")
     try:
-        assert _wait(lambda: guest.locator("#pause").is_disabled(), 10), "a guest page can pause"
+        assert wait(lambda: guest.locator("#pause").is_disabled(), 10), "a guest page can pause"
         assert guest.locator("#start-load").is_disabled() and guest.locator("#step").is_disabled()
         assert not engine.paused
-        assert _wait(lambda: not host.locator("#pause").is_disabled(), 10)
+        assert wait(lambda: not host.locator("#pause").is_disabled(), 10)
         host.click("#pause")
-        assert _wait(lambda: engine.paused)
+        assert wait(lambda: engine.paused)
         guest.wait_for_selector("#pace-status:has-text('Engine paused')")  # everyone sees it
         host.click("#resume")
-        assert _wait(lambda: not engine.paused)
+        assert wait(lambda: not engine.paused)
     finally:
         engine.resume()
         guest.context.close()

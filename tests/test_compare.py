@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import gradio as gr
 import pytest
 
+from tests._browser import serve
 from ui import compare, i18n
 
 
@@ -138,20 +138,13 @@ def test_compare_tab_is_one_row_of_two_equal_plots_with_translated_labels(tiny_m
     assert len(notes) == 1 and _i18n_key(notes[0].value) == "cbp_cmp_note"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_compare_api_endpoint_answers_in_the_callers_language(tiny_model, tokenizer):
     gradio_client = pytest.importorskip("gradio_client")
     with gr.Blocks() as demo:
         compare.build_compare_tab((tiny_model, tokenizer))
-    port = _free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = serve(demo)
     try:
-        url = f"http://127.0.0.1:{port}/"
         client = gradio_client.Client(url, verbose=False)  # no Accept-Language: English
         headline, fig_s, fig_c = client.predict("classic", api_name="/compare")
         assert headline == "### static 9 steps · 5 idle slot-steps → continuous 7 steps · 0 idle: 2 fewer steps (1.29x)"
