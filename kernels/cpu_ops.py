@@ -19,6 +19,7 @@ another one. The first build takes about a minute; later processes load it in we
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -81,6 +82,46 @@ def build_directory() -> str | None:
     return d
 
 
+LOAD_INFO: dict = {}  # how the extension was loaded: name, seconds, compiled (bool), isa, directory
+
+
+def _default_build_dir(name: str) -> str | None:
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension._get_build_directory(name, False)
+    except Exception:  # a private helper of torch: its absence only loses the "cached" detail
+        return None
+
+
+def _is_built(name: str, build_dir: str | None) -> bool:
+    """Whether a compiled ``name`` library already lies in the build directory (then loading is quick)."""
+    folder = build_dir or _default_build_dir(name)
+    return bool(folder) and os.path.isfile(os.path.join(folder, f"{name}.so"))
+
+
+STALE_LOCK_S = 300.0  # a build takes 1-2 minutes: a lock file older than this was left by a killed build
+
+
+def _clear_stale_lock(folder: str | None) -> None:
+    """torch's loader waits, forever, while a ``lock`` file lies in the build folder; a build killed
+    half-way (Ctrl-C on the first start) leaves one behind. Remove it once it is older than
+    :data:`STALE_LOCK_S`; a younger one belongs to a build in progress, which is waited for."""
+    if not folder:
+        return
+    lock = os.path.join(folder, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        _log.warning("CPU attention: removing %s left by an interrupted build %.0f s ago", lock, age)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+    else:
+        _log.info("CPU attention: waiting for another process's build of the kernel (lock file %s)", lock)
+
+
 def _build():
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
@@ -95,7 +136,10 @@ def _build():
     if build_dir is not None:
         build_dir = os.path.join(build_dir, name)
         os.makedirs(build_dir, exist_ok=True)
-    _log.info("CPU attention: loading %s (compiled on first use, about a minute; then cached)", name)
+    _clear_stale_lock(build_dir or _default_build_dir(name))
+    cached = _is_built(name, build_dir)
+    if not cached:
+        _log.info("CPU attention: compiling %s (first start on this CPU only, about a minute; then cached)", name)
     t0 = time.perf_counter()
     try:
         mod = cpp_extension.load(
@@ -110,7 +154,10 @@ def _build():
         msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
         first = next((ln for ln in msg if "error:" in ln), None) or next(iter(msg), type(e).__name__)
         raise BuildError(f"building {name} failed: {first[:300]}") from e
-    _log.info("CPU attention: %s ready in %.1f s (%s)", name, time.perf_counter() - t0, mod.isa())
+    seconds = time.perf_counter() - t0
+    LOAD_INFO.update(name=name, seconds=seconds, compiled=not cached or seconds > 5.0, isa=mod.isa(),
+                     directory=build_dir or _default_build_dir(name))
+    _log.debug("CPU attention: %s %s in %.1f s (%s)", name, "compiled" if not cached else "loaded", seconds, mod.isa())
     return mod
 
 

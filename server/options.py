@@ -24,6 +24,8 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     Option("queue_size", int, 256, "Gradio's event queue bound", low=1),
     Option("served_model_name", str, None,
            "model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)"),
+    Option("log_level", str, "info", "how much the app logs; debug adds tracebacks, kernel and library detail",
+           choices=("debug", "info", "warning", "error")),
 )
 
 

