@@ -15,6 +15,8 @@ import argparse
 import atexit
 import logging
 import os
+import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from engine import options
@@ -22,7 +24,7 @@ from engine.options import PLAYGROUND_DEFAULTS, Option
 from server.options import add_server_options, server_kwargs
 
 UI_OPTIONS: tuple[Option, ...] = (
-    Option("refresh", float, 0.5, "seconds between panel refreshes in each tab", low=0, low_open=True),
+    Option("refresh", float, 0.2, "seconds between two polls of the live panels by each visible tab", low=0.05),
     Option("host_key", str, "", "talk mode in a shared demo: when set, only a page opened with ?host=<key> may "
            "pause, step or slow the engine (on a Space, set CBP_HOST_KEY as a secret); empty: every page may"),
 )
@@ -73,26 +75,140 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in options.engine_kwargs(args).items() if v is not None or k == "model"}
 
 
+def on_zerogpu(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this runs on a ZeroGPU Space (``SPACES_ZERO_GPU`` set by Hugging Face): there the GPU exists
+    only inside ``@spaces.GPU`` calls (a forked worker per call), so a persistent engine loop cannot hold it."""
+    env = os.environ if env is None else env
+    return env.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "true", "yes")
+
+
+ZEROGPU_NOTICE = ("ZeroGPU Space: the engine runs on the CPU (a ZeroGPU GPU exists only inside short "
+                  "`@spaces.GPU` calls, which a continuously stepping engine cannot hold)")
+
+
+def _declare_zerogpu_function() -> None:
+    """ZeroGPU refuses to start a Space that declares no ``@spaces.GPU`` function: declare one that is
+    never called (it costs no GPU time). ``spaces`` exists only on Spaces; elsewhere nothing happens."""
+    try:
+        import spaces  # type: ignore[import-not-found]
+    except ImportError:
+        return
+
+    @spaces.GPU(duration=1)
+    def _unused_gpu_function() -> None:  # never called: the engine runs on the CPU there
+        return None
+
+
+def apply_zerogpu(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
+    """On a ZeroGPU Space, run the engine on the CPU (unless ``--device`` names another non-CUDA device) and
+    return the notice the page header shows; elsewhere change nothing and return None."""
+    if not on_zerogpu(env):
+        return None
+    _declare_zerogpu_function()
+    if args.device is None or str(args.device).startswith("cuda"):
+        args.device = "cpu"
+    return ZEROGPU_NOTICE
+
+
+class _PlainFormatter(logging.Formatter):
+    """Start-up and run-time lines as plain text; warnings and errors say so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+
+def configure_logging(level: str) -> None:
+    """Plain lines at ``info`` (no timestamps, no library progress bars, uvicorn's start-up lines hidden);
+    ``debug`` shows timestamps, logger names, library detail and tracebacks."""
+    debug = level == "debug"
+    if not debug:  # tqdm reads its TQDM_* defaults when first imported (transformers' GGUF progress bar)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s") if debug
+                         else _PlainFormatter("%(message)s"))
+    logging.basicConfig(level=logging.INFO if debug else getattr(logging, level.upper()), handlers=[handler],
+                        force=True)
+    if not debug:  # a CUDA build of torch on a machine without CUDA warns at every start; the engine uses the CPU
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    for name in ("engine", "kernels", "server", "ui"):  # our own detail; libraries stay at INFO
+        logging.getLogger(name).setLevel(getattr(logging, level.upper()))
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not debug:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str | None = None) -> list[str]:
+    """What the start did, in a few plain lines: model, dtype and why, kernels, pool; ``seconds`` is the
+    engine's start time (model load, kernel build or load, pool allocation)."""
+    from engine.model_loader import describe_source, dtype_reason
+
+    core, cfg = engine.core, engine.config
+    runner = core.runner
+    dtype = str(runner.dtype).removeprefix("torch.")
+    lines = [f"model    {describe_source(args.model)}; engine ready in {seconds:.1f} s",
+             f"dtype    {dtype} on {runner.device} ({dtype_reason(args.dtype, runner.device)})"]
+    if runner.device.type == "cpu":
+        import torch
+
+        import kernels
+        from kernels.cpu_ops import LOAD_INFO, unavailable_reason
+
+        if kernels.cpp_available() and LOAD_INFO:
+            how = (f"compiled in {LOAD_INFO['seconds']:.0f} s (first start on this CPU; cached in "
+                   f"{LOAD_INFO.get('directory') or 'the torch extensions folder'})" if LOAD_INFO["compiled"]
+                   else f"loaded from the build cache in {LOAD_INFO['seconds']:.1f} s")
+            attention = f"C++ paged attention {how}, {LOAD_INFO['isa']}"
+        else:
+            attention = f"torch paged attention (C++ kernel unavailable: {unavailable_reason()})"
+        packed = getattr(runner, "num_prepacked_linears", 0)
+        lines.append(f"kernels  {attention}; {packed} linear layers on oneDNN-packed weights; "
+                     f"{torch.get_num_threads()} threads")
+    else:
+        lines.append("kernels  Triton paged attention")
+    if notice:
+        lines.append(f"note     {notice}")
+    tokens = cfg.num_blocks * cfg.block_size
+    lines.append(f"pool     {cfg.num_blocks} KV blocks x {cfg.block_size} tokens ({tokens:,} tokens), "
+                 f"{cfg.max_num_seqs} batch slots, context {cfg.max_model_len:,} tokens, policy {cfg.policy}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse options, start one engine, serve the Gradio app and the OpenAI-compatible API on one port
-    until interrupted."""
+    until interrupted. A model that does not load ends the program with one line naming the fixes and exit
+    status 2 (a traceback only with ``--log-level debug``)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     from engine.async_engine import AsyncEngine
+    from engine.model_loader import ModelLoadError
     from server import build_server, serve
     from ui.layout import build_app, launch, mount_kwargs
 
-    engine = AsyncEngine.from_args(**engine_kwargs(args))
+    notice = apply_zerogpu(args)
+    t0 = time.perf_counter()
+    try:
+        engine = AsyncEngine.from_args(**engine_kwargs(args))
+    except ModelLoadError as exc:
+        if args.log_level == "debug":
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     atexit.register(engine.shutdown)
-    demo = build_app(engine, model_name=args.model, refresh_s=args.refresh, host_key=args.host_key or None)
+    for line in startup_lines(engine, args, time.perf_counter() - t0, notice):
+        print(line, flush=True)
+    demo = build_app(engine, model_name=args.model, refresh_s=args.refresh, host_key=args.host_key or None,
+                     notice=notice)
     if args.share:  # a gradio.live link needs demo.launch(); the OpenAI API is not served then
         engine.max_pending = args.max_pending
         launch(demo, server_name=args.host, server_port=args.port, share=True)
         return
     # one port for both: the OpenAI-compatible API routes first, the Gradio app mounted at /
-    app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs())
-    serve(app, host=args.host, port=args.port)
+    app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
+    serve(app, host=args.host, port=args.port, log_level="info" if args.log_level == "debug" else "warning")
 
 
 if __name__ == "__main__":
