@@ -4,7 +4,7 @@ given, a Gradio app (``/``), run by uvicorn.
 ``build_server`` adds the API routes first, then mounts the Gradio app at ``/`` (a catch-all mount, so
 it must come last); ``serve`` runs the result; ``ServerThread`` runs it in a background thread (tests,
 notebooks). The module knows nothing of the playground's page: its Gradio look (css, translations,
-footer) comes in as ``mount_kwargs`` (``ui.layout.mount_kwargs()`` in ``app.py``).
+footer) comes in as ``mount_kwargs`` (``ui.layout.mount_kwargs(demo)`` in ``app.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         retry_after: ``Retry-After`` seconds of an overload 429.
         queue_size: Gradio's queue bound (``demo.queue(max_size=...)``; None = unbounded).
         mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme, footer_links...);
-            the playground's are ``ui.layout.mount_kwargs()``. None = Gradio's defaults.
+            the playground's are ``ui.layout.mount_kwargs(demo)``. None = Gradio's defaults.
     """
     if max_pending is not None:
         engine.max_pending = max_pending
@@ -50,6 +50,9 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         import gradio as gr
 
         demo.queue(max_size=queue_size)
+        router = getattr(demo, "cbp_router", None)  # the page's own routes (its live channel), ahead of it
+        if router is not None:
+            app.include_router(router)
         gr.mount_gradio_app(app, demo, path="/", **dict(mount_kwargs or {}))
     return app
 

@@ -160,9 +160,8 @@ def test_client_that_goes_away_frees_the_requests_blocks(live_app):
 
 
 def _bot_text_len(page) -> int:
-    return page.evaluate(
-        "() => { const m = document.querySelectorAll('#chatbot [data-testid=\"bot\"]');"
-        " return m.length ? m[m.length - 1].innerText.length : 0; }")
+    """Characters of the reply the page streams now (``#live-reply-text``, filled by the page's polls)."""
+    return page.evaluate("() => (document.querySelector('#live-reply-text') || {textContent: ''}).textContent.length")
 
 
 def test_browser_two_contexts_chat_at_once_and_panels_render(request):

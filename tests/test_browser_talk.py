@@ -57,15 +57,18 @@ def _page(talk, url=None, locale="en-US"):
     return page
 
 
-def _status(page) -> str:
-    """The title of the newest status line in the page's chat ('' when there is none)."""
-    return page.evaluate(
-        "() => { const t = [...document.querySelectorAll('#chatbot .message-wrap [class*=\"thought\"], "
-        "#chatbot .message-wrap .title')]; return t.length ? t[t.length - 1].innerText : ''; }")
+# the conversation as shown: the chatbot's finished turns and the reply streaming below it (ui/live.py)
+CHAT_TEXT = ("(document.querySelector('#chatbot').innerText + '\\n' + "
+             "(document.querySelector('#live-reply:not([hidden])') || {innerText: ''}).innerText)")
 
 
 def _chat_text(page) -> str:
-    return page.evaluate("() => document.querySelector('#chatbot').innerText")
+    return page.evaluate(f"() => {CHAT_TEXT}")
+
+
+def _wait_chat(page, pattern: str, timeout: float = 30_000) -> None:
+    """Wait until the conversation shown matches the JS regular expression ``pattern``."""
+    page.wait_for_function(f"() => /{pattern}/.test({CHAT_TEXT})", timeout=timeout)
 
 
 def _send(page, text: str) -> None:
@@ -82,7 +85,7 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
         page.wait_for_selector("#pace-status:has-text('Engine paused')")
         _send(page, "Hello, who are you?")
         # queued while paused: the reply's own bubble says so, Send is disabled meanwhile
-        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued: 1 of 1')")
+        _wait_chat(page, "Queued: 1 of 1")
         assert "engine paused" in _chat_text(page)
         assert page.locator("#send").is_disabled()
         rid = wait(lambda: [r for ids in chat.active._by_session.values() for r in ids])[0]
@@ -94,7 +97,7 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
             page.wait_for_selector(f"#pace-status:has-text('after step {before + k}:')", timeout=2_000)
             time.sleep(0.3)
             assert engine.step_count == before + k, "a Step press ran more than one step"
-        page.wait_for_function("() => /Decoding: \\d+ tokens/.test(document.querySelector('#chatbot').innerText)")
+        _wait_chat(page, "Decoding: \\d+ tokens")
         # the tab names its own request and colour; the panels outline it
         page.wait_for_selector(f"#mine:has-text('{rid}')")
         mine = page.inner_text("#mine")
@@ -114,7 +117,7 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
         page.wait_for_function("() => !document.querySelector('#pace-status').innerText.includes('pinned')")
         page.click("#resume")
         assert wait(lambda: not engine.paused)
-        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Finished')", timeout=60_000)
+        _wait_chat(page, "Finished", timeout=60_000)
         assert wait(lambda: not page.locator("#send").is_disabled(), 10), "Send stayed disabled after the reply"
     finally:
         engine.resume()
@@ -128,7 +131,7 @@ def test_double_click_on_send_starts_one_request(talk):
         engine.pause()
         page.fill("#msg textarea", "Tell me a story.")
         page.dblclick("#send")
-        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Queued')")
+        _wait_chat(page, "Queued")
         page.fill("#msg textarea", "And another one.")
         page.locator("#msg textarea").press("Enter")  # Enter while the reply waits: refused, visibly
         page.wait_for_selector("text=A reply is still streaming")
@@ -138,7 +141,7 @@ def test_double_click_on_send_starts_one_request(talk):
         assert len(ids) == 1, f"hidden requests: {ids}"
         assert wait(lambda: [r for r in engine.telemetry.queue if r.startswith("chat-")] == ids, 5)
         page.click("#stop")  # stopped while paused: the status says so and the queue is empty again
-        page.wait_for_function("() => document.querySelector('#chatbot').innerText.includes('Stopped')")
+        _wait_chat(page, "Stopped")
         assert wait(lambda: not [r for r in engine.telemetry.queue if r.startswith("chat-")], 5)
         assert wait(lambda: not page.locator("#send").is_disabled(), 10)
     finally:

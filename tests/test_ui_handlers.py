@@ -403,12 +403,13 @@ def test_queued_again_after_holding_a_slot_is_preempted_even_before_the_first_to
 
 
 def test_host_key_and_pace_line():
-    from ui.layout import is_host_page, pacing_line
+    from ui.layout import is_host_page
+    from ui.live import pacing_line
 
     assert is_host_page(None, None) and is_host_page("", "anything")
     assert is_host_page("k3y", "k3y") and not is_host_page("k3y", "") and not is_host_page("k3y", "k3")
     eng = SimpleNamespace(step_count=42, paused=True, min_step_time=0.5)
-    line = pacing_line(eng, (40, 96, "en", 40, 7), "en")
+    line = pacing_line(eng, 40, "en")
     assert "Engine paused" in line and "step 42" in line and "0.50 s per step" in line and "pinned at step 40" in line
     assert "일시 정지" in pacing_line(eng, None, "ko")
     assert pacing_line(SimpleNamespace(step_count=3, paused=False, min_step_time=0.0), None, "en") == \

@@ -162,6 +162,24 @@ def status_text(lang: str, state: dict | None, tokens: int, paused: bool, starte
 _END = object()  # put in a reply's queue when its engine stream has ended
 
 
+class LiveReply:
+    """A reply that the page streams through its polls (:mod:`ui.live`) rather than through an event.
+
+    Attributes:
+        request_id: the engine request.
+        chatbot: the tab's conversation as it should show now: the history, the user message, the status
+            line and the reply so far (the value :meth:`ChatHandlers.respond` yields).
+        done: the reply has ended (finished, stopped or failed); :meth:`ChatHandlers.commit` then writes it
+            into the tab's ``gr.Chatbot``.
+    """
+
+    def __init__(self, request_id: str, chatbot: list[dict]) -> None:
+        self.request_id = request_id
+        self.chatbot = chatbot
+        self.done = False
+        self.task: asyncio.Task | None = None
+
+
 class ChatHandlers:
     """The Gradio handlers of the chat column, bound to one engine.
 
@@ -180,6 +198,8 @@ class ChatHandlers:
         self.poll_s = poll_s
         self._stopping: set[str] = set()  # Stop pressed: the reply ends with a "stopped" status line
         self._cleared: set[str] = set()  # Clear pressed: the reply ends without another update
+        self.replies: dict[str, LiveReply] = {}  # session -> the reply the page streams through its polls
+        self._latest: dict[str, str] = {}  # session -> its latest request id (outlined in the panels)
 
     def _state(self, request_id: str) -> dict | None:
         telemetry = getattr(self.engine, "telemetry", None)
@@ -302,21 +322,90 @@ class ChatHandlers:
         else:
             queue.put_nowait(_END)  # the stream ended (normally after its finished output)
 
-    def _abort_session(self, request: gr.Request, mark: set[str]) -> None:
-        """Abort every reply the calling session streams, after adding its request id to ``mark``."""
-        for request_id in self.active.of(session_of(request)):
+    # ------------------------------------------------------------------ the page: replies through polls
+    async def start(self, message: str, history: list[dict] | None, temperature: float, top_p: float,
+                    max_new_tokens: float, seed: float | None, request: gr.Request) -> tuple:
+        """Start a reply for the page and return at once: ``(chatbot, textbox, request id)``.
+
+        The same checks and request as :meth:`respond` (which it runs in a background task); the chatbot
+        shows the user's message, and the reply streams to the tab through :meth:`live_reply` (its polls)
+        until :meth:`commit` writes the finished turn into the chatbot. Refused messages (empty, a reply
+        already streaming) change nothing; bad sampling values raise ``gr.Error``.
+        """
+        session = session_of(request)
+        replies = self.respond(message, history, temperature, top_p, max_new_tokens, seed, request)
+        first = await replies.__anext__()  # validates, claims the session's one reply, shows the message
+        if not isinstance(first[0], list):  # refused: gr.skip() for every output
+            await replies.aclose()
+            return first
+        reply = LiveReply(first[2], first[0])
+        self.replies[session] = reply
+        self._latest[session] = reply.request_id
+
+        async def drain() -> None:
+            try:
+                async for chatbot, _text, _rid in replies:
+                    if isinstance(chatbot, list):
+                        reply.chatbot = chatbot
+            finally:
+                reply.done = True
+
+        reply.task = asyncio.get_running_loop().create_task(drain())
+        return first[0][:-1], "", reply.request_id  # the status line shows in the live bubble meanwhile
+
+    def live_reply(self, session: str, lang: str = "en") -> dict | None:
+        """The tab's streaming reply for its poll: ``{rid, title, text, final}`` (the status line, the reply
+        text so far, whether it has ended), or None when the tab streams nothing."""
+        reply = self.replies.get(session)
+        if reply is None:
+            return None
+        title, text = "", ""
+        for m in reply.chatbot[-2:]:
+            if is_status(m):
+                title = _meta(m).get("title", "")
+            elif isinstance(m, dict) and m.get("role") == "assistant":
+                text = message_text(m.get("content"))
+        return {"rid": reply.request_id, "title": title, "text": text, "final": reply.done}
+
+    def commit(self, request: gr.Request) -> tuple:
+        """Write the tab's ended reply into its chatbot: ``(chatbot, send button update)``; nothing changes
+        while the reply still streams (or when there is none, e.g. after Clear)."""
+        session = session_of(request)
+        reply = self.replies.get(session)
+        if reply is None or not reply.done:
+            return gr.skip(), gr.update(interactive=not self.active.of(session))
+        del self.replies[session]
+        return reply.chatbot, gr.update(interactive=True)
+
+    def forget(self, session: str) -> None:
+        """Drop what is kept for ``session`` (its tab closed): its live reply and latest request id."""
+        self.replies.pop(session, None)
+        self._latest.pop(session, None)
+
+    def latest_request(self, session: str) -> str | None:
+        """The session's latest request id (streaming or ended), None after Clear or before any."""
+        return self._latest.get(session)
+
+    # ------------------------------------------------------------------ aborts
+    def abort_session(self, session: str, mark: set[str] | None = None) -> None:
+        """Abort every reply ``session`` streams (their KV blocks return to the pool at the engine's next
+        step, at once while paused), after adding their request ids to ``mark`` (default: "stopped")."""
+        mark = self._stopping if mark is None else mark
+        for request_id in self.active.of(session):
             mark.add(request_id)
             self.engine.abort(request_id)
 
     def stop(self, request: gr.Request) -> None:
         """Stop every reply the calling session is streaming: its request is aborted in the engine (KV
         blocks freed at its next step, at once while paused) and its status line says "stopped"."""
-        self._abort_session(request, self._stopping)
+        self.abort_session(session_of(request), self._stopping)
 
     def clear(self, request: gr.Request) -> None:
         """Abort every reply the calling session is streaming, with no further update of its chat (the tab's
         conversation is being emptied: a late "stopped" line must not bring it back)."""
-        self._abort_session(request, self._cleared)
+        session = session_of(request)
+        self.abort_session(session, self._cleared)
+        self.forget(session)
 
     def unload(self, request: gr.Request) -> None:
         """When a tab closes, abort what it was still streaming (same as :meth:`stop`)."""

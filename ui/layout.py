@@ -13,14 +13,44 @@ import gradio as gr
 
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
-from ui.i18n import I18N, PACE_TEXTS, language, state_text, t
+from ui.i18n import I18N, language, state_text, t
+from ui.live import LiveChannel, head_html
 from ui.loadgen import LoadGenerator
-from ui.panels import COUNTER_KEYS, Panels
+from ui.panels import COUNTER_KEYS, PLOT_HEIGHT, Panels
 
-CSS = """
-#counters .gr-box, #counters textarea, #counters input { font-variant-numeric: tabular-nums; }
-.cbp-note { font-size: 0.9em; }
+CSS = f"""
+.cbp-note {{ font-size: 0.9em; }}
+.cbp-panel {{ min-height: {PLOT_HEIGHT}px; }}
+.cbp-panel .cbp-plot {{ width: 100%; height: {PLOT_HEIGHT}px; }}
+#cbp-counters {{ display: grid; grid-template-columns: repeat(4, minmax(100px, 1fr)); gap: 6px; }}
+#cbp-counters .cbp-counter {{ border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 4px 8px; }}
+#cbp-counters .cbp-counter.cbp-wide {{ grid-column: span 2; }}
+#cbp-counters .cbp-label {{ font-size: 0.8em; opacity: 0.75; }}
+#cbp-counters .cbp-value {{ font-variant-numeric: tabular-nums; }}
+#live-reply {{ border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 6px 10px; }}
+#live-reply-title {{ font-size: 0.85em; opacity: 0.8; }}
+#live-reply-text {{ white-space: pre-wrap; }}
+#load-status {{ font-variant-numeric: tabular-nums; min-height: 1.4em; }}
 """
+
+
+def live_html(session: str = "") -> str:
+    """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request and both
+    panels; ``session`` (Gradio's session hash, set at page load) tells the poller which tab it is."""
+    return (f'<div id="cbp-live" data-cbp-session="{session}" data-cbp-ready="{int(bool(session))}">'
+            '<div id="pace-status"></div><div id="mine"></div>'
+            '<div id="occupancy" class="cbp-panel"></div><div id="blockmap" class="cbp-panel"></div></div>')
+
+
+def counters_html() -> str:
+    """The counters' cells (label and value filled by the poller), ids ``counter-<key>``."""
+    cells = "".join(f'<div id="counter-{k}" class="cbp-counter{" cbp-wide" if k in ("totals", "prefix_cache") else ""}">'
+                    '<div class="cbp-label"></div><div class="cbp-value">-</div></div>' for k in COUNTER_KEYS)
+    return f'<div id="cbp-counters">{cells}</div>'
+
+
+LIVE_REPLY_HTML = ('<div id="live-reply" hidden><div id="live-reply-title"></div>'
+                   '<div id="live-reply-text"></div></div>')
 
 
 def engine_summary(engine: Any, model_name: str | None = None) -> str:
@@ -30,24 +60,6 @@ def engine_summary(engine: Any, model_name: str | None = None) -> str:
     model = model_name or get("model", None) or "SmolLM2-135M-Instruct (embedded)"
     return (f"`{model}` · **{get('max_num_seqs')}** slots · **{get('num_blocks')}** KV blocks × "
             f"**{get('block_size')}** tokens · policy `{get('policy')}` · context {get('max_model_len')} tokens")
-
-
-def pacing_line(engine: Any, snaps_key: tuple | None, lang: str) -> str:
-    """One Markdown line: the engine's pace (running / paused at step n / slow motion) and which steps
-    the panels show (live, or pinned on the timeline when ``snaps_key``, a :meth:`Panels.refresh` key,
-    has an end step)."""
-    L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
-    step = getattr(engine, "step_count", None)
-    if getattr(engine, "paused", False):
-        line = L["paused"].format(step=step)
-    else:
-        line = L["running"].format(step=step)
-    slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
-    if slow > 0:
-        line += L["slow"].format(s=slow)
-    if snaps_key and snaps_key[3] is not None:
-        line += L["pinned"].format(end=snaps_key[0], newest=step)
-    return line
 
 
 def is_host_page(host_key: str | None, given: str | None) -> bool:
@@ -62,10 +74,11 @@ def build_app(
     engine: Any,
     *,
     model_name: str | None = None,
-    refresh_s: float = 0.5,
+    refresh_s: float = 0.2,
     window: int = 96,
-    max_builds_per_s: float = 2.0,
+    max_builds_per_s: float = 4.0,
     host_key: str | None = None,
+    notice: str | None = None,
 ) -> gr.Blocks:
     """The Gradio Blocks app for ``engine`` (an ``AsyncEngine``).
 
@@ -73,47 +86,51 @@ def build_app(
         engine: the process's engine; the UI uses ``generate``, ``abort``, ``config``, ``telemetry`` and the
             pacing methods (``pause``, ``resume``, ``step_once``, ``set_min_step_time``).
         model_name: shown in the header (default: ``engine.config.model`` or the embedded model).
-        refresh_s: panel refresh period of each tab's ``gr.Timer`` (seconds).
+        refresh_s: seconds between two polls of the live channel by a visible tab (:mod:`ui.live`).
         window: default number of engine steps shown in the occupancy and rates panels.
         max_builds_per_s: most figure rebuilds per second for the whole process (``asyncio-throttle``).
         host_key: when set, only a page opened with ``?host=<host_key>`` may pause, step or slow the engine
             (a shared demo, e.g. a Space); None or "" lets every page do it.
+        notice: a line shown under the header (e.g. that a ZeroGPU Space runs the engine on the CPU).
+
+    The page holds no ``gr.State`` and no unload event (either would keep a heartbeat connection open per
+    tab); panels, counters and streaming replies come through :class:`ui.live.LiveChannel`, whose routes
+    (``demo.cbp_router``) the server includes next to the page (:func:`server.build_server`, :func:`launch`).
 
     API endpoints: ``/chat`` (message, history, temperature, top_p, max_new_tokens, seed -> history,
-    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``, ``/pause``,
-    ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no host key is set.
+    textbox, request id; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``,
+    ``/pause``, ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no
+    host key is set.
     """
     cfg = getattr(engine, "config", None)
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
                     num_slots=getattr(cfg, "max_num_seqs", None), num_blocks=getattr(cfg, "num_blocks", None))
     chat = ChatHandlers(engine, describe=panels.color_name)
     loadgen = LoadGenerator(engine)
+    live = LiveChannel(engine, panels, chat, loadgen, window=window, refresh_s=refresh_s)
     capacity = int(getattr(engine.telemetry, "capacity", 512))
 
     def lang_of(request: gr.Request | None) -> str:
-        return language(request.headers.get("accept-language") if request is not None else None)
+        headers = getattr(request, "headers", None) or {}
+        return language(headers.get("accept-language"))
 
-    async def refresh(window_steps: float, seen: tuple | None, mine: str | None, pin: int | None,
-                      request: gr.Request):
-        lang = lang_of(request)
-        outs = await panels.refresh(window_steps, seen, lang, mine=mine, end=pin)
-        color = panels.color_name(mine, lang) if mine else None
-        mine_line = state_text(lang, "mine_panel", rid=mine, color=color) if mine and color else ""
-        return (*outs, loadgen.status(lang), pacing_line(engine, outs[-1], lang), mine_line)
+    def allowed(request: gr.Request | None) -> bool:
+        host = not host_key or live.is_host(session_of(request))
+        if not host:
+            gr.Warning(state_text(lang_of(request), "host_only"))
+        return host
 
-    async def start_load(n: float, rate: float, is_host: bool, request: gr.Request) -> str:
-        if allowed(is_host, request):
+    async def start_load(n: float, rate: float, request: gr.Request) -> None:
+        if allowed(request):
             loadgen.start(int(n), float(rate))
-        return loadgen.status(lang_of(request))
 
-    async def stop_load(is_host: bool, request: gr.Request) -> str:
-        if allowed(is_host, request):
+    async def stop_load(request: gr.Request) -> None:
+        if allowed(request):
             loadgen.stop()
-        return loadgen.status(lang_of(request))
 
     def clear(request: gr.Request):
         chat.clear(request)
-        return [], "", gr.update(interactive=True), None
+        return [], "", gr.update(interactive=True)
 
     def lock_send():
         return gr.update(interactive=False)
@@ -121,63 +138,61 @@ def build_app(
     def unlock_send(request: gr.Request):
         return gr.update(interactive=not chat.active.of(session_of(request)))
 
-    def allowed(is_host: bool, request: gr.Request | None) -> bool:
-        if not is_host:
-            gr.Warning(state_text(lang_of(request), "host_only"))
-        return bool(is_host)
+    def pause(request: gr.Request) -> None:
+        if allowed(request):
+            engine.pause()
 
-    def pace_now(request: gr.Request | None) -> str:
-        return pacing_line(engine, None, lang_of(request))
+    def resume(request: gr.Request) -> None:
+        if allowed(request):
+            engine.resume()
 
-    def pause(is_host: bool, request: gr.Request):
-        if not allowed(is_host, request):
-            return gr.skip()
-        engine.pause()
-        return pace_now(request)
-
-    def resume(is_host: bool, request: gr.Request):
-        if not allowed(is_host, request):
-            return gr.skip()
-        engine.resume()
-        return pace_now(request)
-
-    async def step_once(is_host: bool, request: gr.Request):
-        """One engine step; answers once the step has run (at most 2 s), so the line shows the new step."""
-        if not allowed(is_host, request):
-            return gr.skip()
+    async def step_once(request: gr.Request) -> None:
+        """One engine step; answers once the step has run (at most 2 s)."""
+        if not allowed(request):
+            return
         before = engine.step_count
         engine.step_once()
         deadline = time.monotonic() + 2.0
         while engine.paused and engine.step_count == before and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        return pace_now(request)
+            await asyncio.sleep(0.01)
 
-    def slow_motion(seconds: float, is_host: bool, request: gr.Request):
-        if not allowed(is_host, request):
-            return gr.skip()
-        engine.set_min_step_time(float(seconds))
-        return pace_now(request)
+    def slow_motion(seconds: float, request: gr.Request) -> None:
+        if allowed(request):
+            engine.set_min_step_time(float(seconds))
 
-    def on_load(given_key: str):
+    def on_load(given_key: str, request: gr.Request):
+        session = session_of(request)
         host = is_host_page(host_key, given_key)
-        return (host, *(gr.update(interactive=host) for _ in range(6)))
+        live.open(session, host)
+        return (live_html(session), *(gr.update(interactive=host) for _ in range(6)))
 
-    def pin_timeline(back: float):
+    def set_window(steps: float, request: gr.Request) -> None:
+        live.view(session_of(request)).window = int(steps)
+
+    def set_live(on: bool, request: gr.Request) -> None:
+        live.view(session_of(request)).live = bool(on)
+
+    def pin_timeline(back: float, request: gr.Request) -> None:
+        view = live.view(session_of(request))
         latest = engine.telemetry.latest()
         if not back or latest is None:
-            return None
+            view.pin = None
+            return
         oldest = engine.telemetry.snapshots(capacity)[0].step
-        return max(oldest, latest.step - int(back))
+        view.pin = max(oldest, latest.step - int(back))
 
     with gr.Blocks(title="Continuous Batching Playground", fill_width=True) as demo:
         gr.Markdown(t("title"))
         gr.Markdown(t("subtitle"))
         gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
+        if notice:
+            gr.Markdown(f"⚠️ {notice}", elem_id="engine-notice")
         with gr.Tab(t("tab_playground"), id="playground"):
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=360):
                     chatbot = gr.Chatbot(label=t("chat"), height=430, elem_id="chatbot", buttons=["copy"],
                                          feedback_options=None)
+                    gr.HTML(LIVE_REPLY_HTML, padding=False, elem_id="live-reply-area")
                     with gr.Row():
                         msg = gr.Textbox(show_label=False, placeholder=t("placeholder"), scale=5, lines=1,
                                          max_lines=4, elem_id="msg", submit_btn=False)
@@ -197,7 +212,8 @@ def build_app(
                         with gr.Row():
                             start_btn = gr.Button(t("start_load"), variant="primary", elem_id="start-load")
                             stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")
-                        load_status = gr.Textbox(label=t("load_status"), interactive=False, elem_id="load-status")
+                        gr.HTML('<div id="load-status"></div>', label=t("load_status"), show_label=True,
+                                container=True, elem_id="load-status-area")
                 with gr.Column(scale=3, min_width=480):
                     with gr.Row(elem_id="pacing", equal_height=False):
                         pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
@@ -205,83 +221,87 @@ def build_app(
                         step_btn = gr.Button(t("step"), size="sm", min_width=80, elem_id="step")
                         slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=3,
                                          elem_id="slow-motion")
-                    pace_md = gr.Markdown(elem_id="pace-status")
-                    mine_md = gr.Markdown(elem_id="mine")
-                    occupancy = gr.Plot(label=t("occupancy"), elem_id="occupancy")
-                    blocks = gr.Plot(label=t("blocks"), elem_id="blockmap")
+                    live_area = gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
                     with gr.Row():
                         window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=2)
                         look_back = gr.Slider(0, capacity, value=0, step=1, label=t("look_back"), scale=2,
                                               elem_id="look-back")
-                        live = gr.Checkbox(value=True, label=t("live"), scale=1)
-                    counters = {}  # below the plots: pacing and both panels fit one 1366x768 screen
-                    with gr.Row(elem_id="counters"):
-                        for key in COUNTER_KEYS[:4]:
-                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=100,
-                                                       elem_id=f"counter-{key}")
-                    with gr.Row():
-                        for key in COUNTER_KEYS[4:]:
-                            counters[key] = gr.Textbox(label=t(key), interactive=False, min_width=120,
-                                                       elem_id=f"counter-{key}")
+                        live_box = gr.Checkbox(value=True, label=t("live"), scale=1)
+                    gr.HTML(counters_html(), padding=False, elem_id="counters")  # below the panels
                     with gr.Accordion(t("rates"), open=False):
-                        rates = gr.Plot(label=t("rates"), show_label=False, elem_id="rates")
+                        gr.HTML('<div id="rates" class="cbp-panel"></div>', padding=False)
                     with gr.Accordion(t("how_title"), open=True):
                         gr.Markdown(t("how"), elem_classes="cbp-note")
         with gr.Tab(t("tab_compare"), id="compare"):
             build_compare_tab(engine)
 
-        seen = gr.State(None)
-        mine = gr.State(None)  # this tab's latest chat request id (outlined in the panels)
-        pin = gr.State(None)  # timeline: the step the panels end at (None: live)
-        is_host = gr.State(not host_key)
         given_key = gr.Textbox(visible=False)
-        timer = gr.Timer(refresh_s)
+        mine_box = gr.Textbox(visible=False)  # the /chat API's third output: the reply's request id
+        commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
+        api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
 
-        panel_outputs = [occupancy, blocks, rates, *(counters[k] for k in COUNTER_KEYS), seen, load_status,
-                         pace_md, mine_md]
-        refresh_inputs = [window_steps, seen, mine, pin]
-        timer.tick(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
-        demo.load(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
-        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn],
+        demo.load(on_load, given_key, [live_area, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
-        live.change(lambda on: gr.Timer(active=bool(on)), live, timer, api_visibility="private")
-        look_back.change(pin_timeline, look_back, pin, api_visibility="private", queue=False)
+        window_steps.change(set_window, window_steps, None, api_visibility="private", queue=False)
+        live_box.change(set_live, live_box, None, api_visibility="private", queue=False)
+        look_back.change(pin_timeline, look_back, None, api_visibility="private", queue=False)
 
-        # trigger_mode="multiple": a second Send or Enter reaches respond(), which refuses it with a warning
+        # trigger_mode="multiple": a second Send or Enter reaches start(), which refuses it with a warning
         pacing_api = "private" if host_key else "public"  # host-only actions: no public API with a host key
+        chat_inputs = [msg, chatbot, temperature, top_p, max_new, seed]
         locked = gr.on([msg.submit, send.click], lock_send, None, send, api_visibility="private", queue=False,
                        trigger_mode="multiple")
-        chat_event = locked.then(
-            chat.respond, [msg, chatbot, temperature, top_p, max_new, seed], [chatbot, msg, mine],
-            api_name="chat", concurrency_limit=None, show_progress="minimal", trigger_mode="multiple",
-        )
-        chat_event.then(unlock_send, None, send, api_visibility="private", queue=False)
+        started = locked.then(chat.start, chat_inputs, [chatbot, msg, mine_box], api_visibility="private",
+                              concurrency_limit=None, show_progress="hidden", trigger_mode="multiple")
+        started.then(unlock_send, None, send, api_visibility="private", queue=False)
+        commit_btn.click(chat.commit, None, [chatbot, send], api_visibility="private", queue=False,
+                         trigger_mode="multiple")
+        api_chat.click(chat.respond, chat_inputs, [chatbot, msg, mine_box], api_name="chat",
+                       concurrency_limit=None)
         stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
-        clear_btn.click(clear, None, [chatbot, msg, send, mine], cancels=[chat_event], api_name="clear",
-                        concurrency_limit=None)
-        start_btn.click(start_load, [n_chats, rate, is_host], load_status, api_name="start_load",
-                        concurrency_limit=None, api_visibility=pacing_api)
-        stop_btn.click(stop_load, is_host, load_status, api_name="stop_load", concurrency_limit=None,
+        clear_btn.click(clear, None, [chatbot, msg, send], api_name="clear", concurrency_limit=None)
+        start_btn.click(start_load, [n_chats, rate], None, api_name="start_load", concurrency_limit=None,
+                        api_visibility=pacing_api)
+        stop_btn.click(stop_load, None, None, api_name="stop_load", concurrency_limit=None,
                        api_visibility=pacing_api)
-        pause_btn.click(pause, is_host, pace_md, api_name="pause", api_visibility=pacing_api)
-        resume_btn.click(resume, is_host, pace_md, api_name="resume", api_visibility=pacing_api)
-        step_btn.click(step_once, is_host, pace_md, api_name="step", api_visibility=pacing_api,
+        pause_btn.click(pause, None, None, api_name="pause", api_visibility=pacing_api, queue=False)
+        resume_btn.click(resume, None, None, api_name="resume", api_visibility=pacing_api, queue=False)
+        step_btn.click(step_once, None, None, api_name="step", api_visibility=pacing_api,
                        trigger_mode="multiple", concurrency_limit=None)
-        slow.change(slow_motion, [slow, is_host], pace_md, api_name="slow_motion", api_visibility=pacing_api)
-        demo.unload(chat.unload)
+        slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
     demo.cbp_loadgen = loadgen
     demo.cbp_chat = chat
+    demo.cbp_live = live
+    demo.cbp_router = live.router(lang_of)
+    demo.cbp_head = head_html(refresh_s)
     return demo
 
 
-def mount_kwargs() -> dict[str, Any]:
+def mount_kwargs(demo: gr.Blocks | None = None) -> dict[str, Any]:
     """The page's look for ``gr.mount_gradio_app`` (``server.build_server(..., mount_kwargs=...)``):
-    translations, style, footer links, no run history; what :func:`launch` gives ``demo.launch``."""
-    return {"i18n": I18N, "css": CSS, "footer_links": ["api", "gradio", "settings"], "run_history": False}
+    translations, style, footer links, no run history, and the live channel's scripts in ``<head>``
+    (``demo.cbp_head``); what :func:`launch` gives ``demo.launch``."""
+    kw: dict[str, Any] = {"i18n": I18N, "css": CSS, "footer_links": ["api", "gradio", "settings"],
+                          "run_history": False}
+    head = getattr(demo, "cbp_head", None)
+    if head:
+        kw["head"] = head
+    return kw
 
 
 def launch(demo: gr.Blocks, **kwargs: Any):
-    """``demo.queue().launch(...)`` with the app's translations and style; ``kwargs`` go to launch."""
-    return demo.queue().launch(**{**mount_kwargs(), **kwargs})
+    """``demo.queue().launch(...)`` with the app's translations, style and live-channel routes (included
+    before the page blocks the thread); ``kwargs`` go to launch."""
+    block = not kwargs.pop("prevent_thread_lock", False)
+    result = demo.queue().launch(**{**mount_kwargs(demo), **kwargs}, prevent_thread_lock=True)
+    router = getattr(demo, "cbp_router", None)
+    if router is not None:
+        routes = demo.app.router.routes
+        before = len(routes)
+        demo.app.include_router(router)
+        routes[:] = routes[before:] + routes[:before]  # ahead of Gradio's own routes
+    if block:
+        demo.block_thread()
+    return result

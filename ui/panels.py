@@ -1,11 +1,11 @@
 """The live panels' data: figures built from telemetry at most a few times a second, shared by all tabs.
 
-Every tab's ``gr.Timer`` asks for the panels a few times a second. Figures are built only when the engine
-has made a new step (or the tab looks at another part of the timeline), at most ``max_builds_per_s`` times
-a second (``asyncio-throttle``), in a worker thread so the event loop keeps streaming chats, and serialised
-once (Gradio's ``PlotData``) for all tabs. A tab that already has the newest figures gets ``gr.skip()`` and
-nothing is sent. A tab whose own request is on screen gets a copy with one extra trace that outlines that
-request (the shared JSON plus the outline; nothing else is rebuilt).
+Every tab polls for the panels a few times a second (:mod:`ui.live`). Figures are built only when the
+engine has made a new step (or the tab looks at another part of the timeline), at most ``max_builds_per_s``
+times a second (``asyncio-throttle``), in a worker thread so the event loop keeps serving, and serialised
+to JSON once for all tabs. A tab that already has the newest figures gets none. A tab whose own request is
+on screen gets a copy with one extra trace that outlines that request (the shared JSON plus the outline;
+nothing else is rebuilt).
 
 The timeline: a tab may pin the panels at an earlier step still in the telemetry ring buffer (``end``);
 the window then ends at that step and the block map shows the pool as it was after it.
@@ -17,7 +17,6 @@ import asyncio
 import json
 from typing import Any
 
-import gradio as gr
 from asyncio_throttle import Throttler
 from gradio.components.plot import PlotData
 
@@ -49,7 +48,7 @@ class Panels:
         num_blocks: KV blocks in the pool, to draw the free pool before the first step.
     """
 
-    def __init__(self, telemetry: Any, max_builds_per_s: float = 2.0, num_slots: int | None = None,
+    def __init__(self, telemetry: Any, max_builds_per_s: float = 4.0, num_slots: int | None = None,
                  num_blocks: int | None = None) -> None:
         self.telemetry = telemetry
         self.num_slots = num_slots
@@ -140,13 +139,16 @@ class Panels:
         values = figures.counter_values(self.telemetry.stats())
         return tuple(values[k] for k in COUNTER_KEYS)
 
-    async def refresh(self, window: float, seen: tuple | None, lang: str, mine: str | None = None,
-                      end: int | None = None) -> tuple:
-        """Outputs of one timer tick: three plots (or ``gr.skip()``), the counters, and the new ``seen``.
+    async def frame_plots(self, window: int, lang: str, mine: str | None = None,
+                          end: int | None = None) -> tuple[str, tuple[str, str, str]]:
+        """The figures a tab's poll shows: ``(key, (occupancy, blocks, rates))`` as Plotly JSON text.
+
+        ``key`` names what is drawn (last step, window, language, pin, telemetry version, and the outlined
+        request); equal keys mean equal figures, so a tab that already has them gets none. Figures are
+        rebuilt only when the engine made a step (or ``window`` / ``end`` change), then shared by every tab.
 
         Args:
             window: steps shown.
-            seen: the key the tab got last time (None at first).
             lang: figure language.
             mine: the tab's own request id, outlined in both panels while it is on screen.
             end: pin the window's last step (None: follow the newest step).
@@ -157,5 +159,4 @@ class Panels:
             if outlined is not None:
                 plots = (*outlined, plots[2])
                 key = (*key, mine)
-        out_plots = (gr.skip(),) * 3 if seen is not None and tuple(seen) == key else plots
-        return (*out_plots, *self.counters(), key)
+        return repr(key), tuple(p.plot for p in plots)

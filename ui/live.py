@@ -1,0 +1,234 @@
+"""The page's live channel: panels, counters, pace line and the tab's streaming reply over short polls.
+
+Why not Gradio events: a browser opens at most 6 HTTP/1.1 connections to one host, for all its tabs
+together. Gradio holds one of them per tab for as long as any event of that tab runs (its event stream)
+and, on a page with session state or unload events, one more for the tab's heartbeat. A streaming chat
+reply and a panel timer therefore kept 1-2 connections per tab busy for good, and from the fourth to sixth
+tab of one browser on, new events waited for a free connection: chats did not start and panels froze.
+
+Here every tab asks ``GET <root>/cbp/live`` a few times a second (``ui/live.js``). Each answer is one short
+request: a few hundred bytes when the engine made no step since the tab's last answer, else the figures
+(built once per engine step for all tabs by :class:`ui.panels.Panels`, the tab's own request outlined on a
+copy), the counters, the pace and load-generator lines, and the state and text of the reply the tab is
+streaming. No connection is held between polls, so any number of tabs share the browser's six.
+
+Gradio events remain for what a person does (send, stop, pause, step, sliders): each is short. A reply's
+tokens reach the tab through the poll (:meth:`ui.chat.ChatHandlers.live_reply`); when it ends, the page
+clicks a hidden button whose event writes the finished turn into the tab's ``gr.Chatbot``.
+
+Closed tabs: the page sends ``POST <root>/cbp/bye`` (``navigator.sendBeacon``) when it is closed; a tab that
+stops polling for :attr:`LiveChannel.lease_s` seconds without saying goodbye (a crashed browser) has its
+reply aborted too. Per-tab view settings (steps shown, timeline pin, live on/off, host rights) live here,
+keyed by Gradio's session hash, instead of in ``gr.State`` (which would open the heartbeat connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, Response
+
+from ui.i18n import EN, KO, PACE_TEXTS, state_text
+from ui.panels import COUNTER_KEYS, Panels
+
+LIVE_JS = Path(__file__).with_name("live.js")
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+def pacing_line(engine: Any, end: int | None, lang: str) -> str:
+    """One Markdown line: the engine's pace (running / paused at step n / slow motion) and, when the tab's
+    panels are pinned on the timeline at step ``end``, which step they show."""
+    L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
+    step = getattr(engine, "step_count", None)
+    line = L["paused" if getattr(engine, "paused", False) else "running"].format(step=step)
+    slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
+    if slow > 0:
+        line += L["slow"].format(s=slow)
+    if end is not None:
+        line += L["pinned"].format(end=end, newest=step)
+    return line
+
+
+def markdown_line_html(text: str) -> str:
+    """A one-line Markdown text (only ``**bold**``) as escaped HTML."""
+    return _BOLD.sub(r"<b>\1</b>", html.escape(text, quote=False))
+
+
+@dataclass
+class TabView:
+    """One tab's view of the panels (what ``gr.State`` used to hold).
+
+    Attributes:
+        last_seen: ``time.monotonic()`` of the tab's latest poll (seconds).
+        is_host: whether the tab may pace the engine and run the load generator.
+        window: engine steps shown in the occupancy and rates panels.
+        pin: the step the panels end at (None: follow the newest step).
+        live: False while the tab's "live" box is unticked (figures are not sent).
+    """
+
+    last_seen: float
+    is_host: bool
+    window: int
+    pin: int | None = None
+    live: bool = True
+
+
+class LiveChannel:
+    """Serves ``/cbp/live`` (one JSON frame per poll), ``/cbp/bye`` and ``/cbp/live.js`` for one page.
+
+    Args:
+        engine: the process's ``AsyncEngine`` (``telemetry``, ``step_count``, ``paused``, ``min_step_time``).
+        panels: the shared figure builder and cache.
+        chat: the page's :class:`ui.chat.ChatHandlers` (streaming replies, aborts).
+        loadgen: the page's :class:`ui.loadgen.LoadGenerator` (its status line).
+        window: default steps shown.
+        refresh_s: seconds between two polls of a visible tab (``--refresh``).
+        lease_s: a tab silent for this long (seconds) is taken as closed: its reply is aborted.
+    """
+
+    def __init__(self, engine: Any, panels: Panels, chat: Any, loadgen: Any, window: int = 96,
+                 refresh_s: float = 0.2, lease_s: float = 90.0) -> None:
+        self.engine = engine
+        self.panels = panels
+        self.chat = chat
+        self.loadgen = loadgen
+        self.window = int(window)
+        self.refresh_s = float(refresh_s)
+        self.lease_s = float(lease_s)
+        self.tabs: dict[str, TabView] = {}
+        self.polls = 0  # frames served (for tests and benchmarks)
+
+    # ------------------------------------------------------------------ per-tab view
+    def open(self, session: str, is_host: bool) -> TabView:
+        """Register (or refresh) the tab ``session`` at page load."""
+        view = self.tabs.get(session)
+        if view is None:
+            view = self.tabs[session] = TabView(time.monotonic(), bool(is_host), self.window)
+        view.is_host, view.last_seen = bool(is_host), time.monotonic()
+        return view
+
+    def view(self, session: str) -> TabView:
+        """The tab's view (a default one, without host rights, for a session never opened)."""
+        return self.tabs.get(session) or self.open(session, False)
+
+    def is_host(self, session: str) -> bool:
+        """Whether the tab may pace the engine (decided at page load from the host key)."""
+        view = self.tabs.get(session)
+        return bool(view and view.is_host)
+
+    def bye(self, session: str) -> None:
+        """The tab closed: abort what it streams (its KV blocks return to the pool) and forget it."""
+        self.chat.abort_session(session)
+        self.chat.forget(session)
+        self.tabs.pop(session, None)
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Abort the replies of tabs silent for longer than :attr:`lease_s`; returns their sessions."""
+        now = time.monotonic() if now is None else now
+        gone = [s for s, v in self.tabs.items() if now - v.last_seen > self.lease_s]
+        for session in gone:
+            self.bye(session)
+        return gone
+
+    # ------------------------------------------------------------------ frames
+    def _counters(self, lang: str) -> list[dict[str, str]]:
+        labels = KO if lang == "ko" else EN
+        return [{"key": k, "label": labels[k], "value": v} for k, v in zip(COUNTER_KEYS, self.panels.counters())]
+
+    async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False) -> str:
+        """One poll's answer, as JSON text.
+
+        Fields: ``key`` (what the figures show; the tab sends it back as ``since``), ``step``, ``pace`` and
+        ``mine`` (HTML lines), ``load`` (load-generator line), ``counters`` (``[{key, label, value}]``),
+        ``chat`` (the tab's streaming reply: ``{rid, title, text, final}``, or null), ``refresh`` (seconds
+        until the next poll) and ``figs``: ``{occupancy, blocks, rates}`` Plotly figures, present only
+        when ``key`` differs from ``since`` (``rates`` only when asked for).
+        """
+        self.polls += 1
+        view = self.view(session)
+        view.last_seen = time.monotonic()
+        mine = self.chat.latest_request(session)
+        out: dict[str, Any] = {
+            "step": getattr(self.engine, "step_count", 0),
+            "pace": markdown_line_html(pacing_line(self.engine, view.pin, lang)),
+            "load": self.loadgen.status(lang),
+            "counters": self._counters(lang),
+            "chat": self.chat.live_reply(session, lang),
+            "refresh": self.refresh_s,
+        }
+        color = self.panels.color_name(mine, lang) if mine else None
+        out["mine"] = markdown_line_html(state_text(lang, "mine_panel", rid=mine, color=color)) if mine and color else ""
+        figs = None
+        if view.live:
+            key, plots = await self.panels.frame_plots(view.window, lang, mine=mine, end=view.pin)
+            out["key"] = key
+            if key != since:
+                figs = {"occupancy": plots[0], "blocks": plots[1], "rates": plots[2] if rates else None}
+        else:
+            out["key"] = since
+        text = json.dumps(out, ensure_ascii=False)
+        if figs is None:
+            return text
+        # the figures are already JSON text, shared by every tab: spliced in, not parsed and dumped again
+        parts = ",".join(f'"{name}":{"null" if fig is None else fig}' for name, fig in figs.items())
+        return text[:-1] + ',"figs":{' + parts + "}}"
+
+    # ------------------------------------------------------------------ routes
+    def router(self, lang_of) -> APIRouter:
+        """The routes, to include in the FastAPI app that serves the page. ``lang_of(request)`` gives the
+        language ("en"/"ko") of a request."""
+        router = APIRouter()
+        reaper: list[asyncio.Task] = []
+
+        async def reap_forever() -> None:
+            while True:
+                await asyncio.sleep(max(1.0, self.lease_s / 4))
+                self.reap()
+
+        @router.get("/cbp/live", include_in_schema=False)
+        async def live(request: Request, session: str = "", since: str = "", rates: int = 0) -> Response:
+            if not reaper:  # started from the server's own loop, on the first poll
+                reaper.append(asyncio.get_running_loop().create_task(reap_forever()))
+            if not session:
+                return Response(status_code=400, content="session missing")
+            text = await self.frame(session, since or None, lang_of(request), bool(rates))
+            return Response(text, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+        @router.post("/cbp/bye", include_in_schema=False)
+        async def bye(session: str = "") -> Response:
+            if session:
+                self.bye(session)
+            return Response(status_code=204)
+
+        @router.get("/cbp/live.js", include_in_schema=False)
+        async def script() -> Response:
+            return FileResponse(LIVE_JS, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
+
+        @router.get("/cbp/plotly.min.js", include_in_schema=False)
+        async def plotly_js() -> Response:
+            return FileResponse(_plotly_js_path(), media_type="text/javascript",
+                                headers={"Cache-Control": "public, max-age=86400"})
+
+        return router
+
+
+def _plotly_js_path() -> Path:
+    """plotly.js as the plotly package ships it (the same build ``fig.to_html`` embeds): served by this app,
+    so the page draws with no network."""
+    import plotly
+
+    return Path(plotly.__file__).with_name("package_data") / "plotly.min.js"
+
+
+def head_html(refresh_s: float) -> str:
+    """The ``<head>`` additions of the page: plotly.js and the live channel's script."""
+    return (f'<script src="cbp/plotly.min.js"></script>'
+            f'<script src="cbp/live.js" data-refresh="{float(refresh_s):g}" defer></script>')
