@@ -1,0 +1,136 @@
+"""The page's live channel (ui/live.py): what one poll returns, the streaming reply through polls and its
+commit into the chatbot, closed tabs (goodbye and lease), per-tab views, and the page holding no state that
+would open Gradio's per-tab heartbeat connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from engine.telemetry import Telemetry
+from tests.test_ui_figures import SEQ
+from tests.test_ui_handlers import StubEngine, req
+from ui.chat import ChatHandlers
+from ui.live import LiveChannel, markdown_line_html, pacing_line
+from ui.loadgen import LoadGenerator
+from ui.panels import Panels
+
+
+def _channel(engine=None, lease_s=90.0):
+    engine = engine or StubEngine()
+    engine.telemetry = Telemetry(capacity=16)
+    engine.step_count, engine.paused, engine.min_step_time = 0, False, 0.0
+    panels = Panels(engine.telemetry, max_builds_per_s=100, num_slots=3, num_blocks=24)
+    chat = ChatHandlers(engine, describe=panels.color_name, poll_s=0.01)
+    return engine, chat, LiveChannel(engine, panels, chat, LoadGenerator(engine), lease_s=lease_s)
+
+
+def test_a_poll_sends_figures_only_when_the_picture_changed():
+    engine, _chat, live = _channel()
+    engine.telemetry.record(SEQ[0])
+
+    async def run():
+        first = json.loads(await live.frame("s1", None))
+        again = json.loads(await live.frame("s1", first["key"]))
+        engine.telemetry.record(SEQ[1])
+        newer = json.loads(await live.frame("s1", first["key"], rates=True))
+        return first, again, newer
+
+    first, again, newer = asyncio.run(run())
+    assert set(first["figs"]) == {"occupancy", "blocks", "rates"} and first["figs"]["occupancy"]["data"]
+    assert first["figs"]["rates"] is None  # the rates accordion is closed unless the tab asks
+    assert "figs" not in again and again["key"] == first["key"]  # up to date: a few hundred bytes
+    assert newer["key"] != first["key"] and newer["figs"]["rates"]["data"]
+    assert [c["key"] for c in first["counters"]][:2] == ["running", "waiting"]
+    assert first["pace"].startswith("▶") and first["chat"] is None and first["refresh"] > 0
+
+
+def test_a_reply_streams_through_polls_and_is_committed_into_the_chatbot():
+    gate = asyncio.Event()
+    engine, chat, live = _channel(StubEngine("one two three", gate=gate))
+
+    async def run():
+        history, box, rid = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("tab"))
+        assert box == "" and rid.startswith("chat-") and history == [{"role": "user", "content": "hi"}]
+        waiting = json.loads(await live.frame("tab", None))["chat"]
+        assert waiting["rid"] == rid and not waiting["final"] and waiting["text"] == ""
+        not_yet = chat.commit(req("tab"))  # the page commits only once the reply ended
+        gate.set()
+        for _ in range(200):
+            frame = json.loads(await live.frame("tab", None))["chat"]
+            if frame["final"]:
+                break
+            await asyncio.sleep(0.01)
+        return rid, not_yet, frame, chat.commit(req("tab")), json.loads(await live.frame("tab", None))
+
+    rid, not_yet, frame, committed, after = asyncio.run(run())
+    assert not_yet[0] == {"__type__": "update"}
+    assert frame["text"] == "one two three" and "Finished" in frame["title"] and rid in frame["title"]
+    history, send = committed
+    assert [m["role"] for m in history] == ["user", "assistant", "assistant"]  # message, status line, reply
+    assert history[-1]["content"] == "one two three" and send["interactive"] is True
+    assert after["chat"] is None and chat.latest_request("tab") == rid
+
+
+def test_a_second_message_while_a_reply_streams_is_refused():
+    gate = asyncio.Event()
+    engine, chat, _live = _channel(StubEngine("a b", gate=gate))
+
+    async def run():
+        await chat.start("first", [], 0.0, 1.0, 8, -1, req("tab"))
+        second = await chat.start("second", [], 0.0, 1.0, 8, -1, req("tab"))
+        active = chat.active.of("tab")
+        gate.set()
+        return second, active
+
+    second, active = asyncio.run(run())
+    assert second == ({"__type__": "update"},) * 3 and len(active) == 1
+
+
+def test_goodbye_and_the_lease_abort_a_closed_tabs_reply():
+    gate = asyncio.Event()
+    engine, chat, live = _channel(StubEngine("x y", gate=gate), lease_s=5.0)
+
+    async def run():
+        live.open("a", is_host=True)
+        live.open("b", is_host=False)
+        _, _, rid_a = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("a"))
+        _, _, rid_b = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("b"))
+        live.bye("a")  # the page's beacon on close
+        now = live.tabs["b"].last_seen
+        assert live.reap(now + 1.0) == []  # polled a second ago: alive
+        assert live.reap(now + 6.0) == ["b"]  # silent past the lease: taken as closed
+        gate.set()
+        return rid_a, rid_b
+
+    rid_a, rid_b = asyncio.run(run())
+    assert engine.aborted == [rid_a, rid_b]
+    assert live.tabs == {} and chat.latest_request("a") is None
+
+
+def test_per_tab_views_and_host_rights():
+    engine, _chat, live = _channel()
+    live.open("host", is_host=True)
+    assert live.is_host("host") and not live.is_host("guest")
+    live.view("guest").pin = 7
+    assert live.view("host").pin is None and live.view("guest").window == live.window
+    eng = SimpleNamespace(step_count=9, paused=True, min_step_time=0.0)
+    assert "pinned at step 7" in pacing_line(eng, 7, "en")
+    assert markdown_line_html("a **b** <c>") == "a <b>b</b> &lt;c&gt;"
+
+
+def test_the_page_opens_no_heartbeat_connection():
+    """gr.State or an unload event makes Gradio hold a heartbeat connection open per tab (the sixth tab of
+    one browser then waits): the page has neither."""
+    import gradio as gr
+
+    from ui.layout import build_app
+
+    engine, _chat, _live = _channel()
+    engine.config = SimpleNamespace(max_num_seqs=3, num_blocks=24, block_size=4, policy="continuous", max_model_len=96)
+    demo = build_app(engine)
+    config = demo.get_config_file()
+    assert config["connect_heartbeat"] is False
+    assert not [b for b in demo.blocks.values() if isinstance(b, gr.State)]
+    assert demo.cbp_router is not None and "cbp/live.js" in demo.cbp_head
