@@ -207,8 +207,8 @@ def build_app(
                     with gr.Accordion(t("loadgen"), open=True):
                         gr.Markdown(t("loadgen_help"), elem_classes="cbp-note")
                         with gr.Row():
-                            n_chats = gr.Slider(1, 64, value=16, step=1, label=t("num_chats"))
-                            rate = gr.Slider(0.5, 20, value=4, step=0.5, label=t("rate"))
+                            n_chats = gr.Slider(1, 64, value=16, step=1, label=t("num_chats"), elem_id="num-chats")
+                            rate = gr.Slider(0.5, 20, value=4, step=0.5, label=t("rate"), elem_id="load-rate")
                         with gr.Row():
                             start_btn = gr.Button(t("start_load"), variant="primary", elem_id="start-load")
                             stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")

@@ -6,8 +6,8 @@
   const REFRESH = Math.max(0.05, parseFloat((me && me.dataset.refresh) || "0.2"));
   const HIDDEN_REFRESH = 1.0; // a background tab polls once a second (browsers throttle it anyway)
   const base = new URL(".", window.location.href);
-  const st = { key: null, busy: false, again: false, timer: null, committed: new Set(), drawn: {} };
-  window.cbpLive = st; // for tests and the curious: st.frames, st.lastStep, st.lastDrawn
+  const st = { key: null, busy: false, again: false, timer: null, committed: new Set(), drawn: {}, history: [] };
+  window.cbpLive = st; // for tests and bench/page_latency.py: frames, lastStep, lastDrawn, history of draws
 
   const $ = (id) => document.getElementById(id);
   const session = () => {
@@ -75,6 +75,9 @@
       if (f.figs.rates) draw("rates", f.figs.rates);
       st.key = f.key;
       st.lastDrawn = f.key;
+      const drawnStep = parseInt(String(f.key).replace(/^\(/, ""), 10); // the key starts with the last step drawn
+      st.history.push([performance.now(), drawnStep]); // [ms since page load, step drawn]
+      if (st.history.length > 4000) st.history.splice(0, 1000);
     }
     text("pace-status", f.pace, true);
     text("mine", f.mine, true);
@@ -93,7 +96,9 @@
     if (wantRates && !st.ratesDrawn) st.key = null; // the accordion just opened: ask for the figures again
     st.ratesDrawn = wantRates;
     const url = new URL("cbp/live", base);
-    url.search = new URLSearchParams({ session: sid, since: st.key || "", rates: wantRates }).toString();
+    // a hidden tab asks for no figures (nothing is built or drawn for it); it catches up when shown again
+    const figs = document.hidden ? 0 : 1;
+    url.search = new URLSearchParams({ session: sid, since: st.key || "", rates: wantRates, figs }).toString();
     let next = document.hidden ? HIDDEN_REFRESH : REFRESH;
     try {
       const r = await fetch(url, { cache: "no-store" });

@@ -143,14 +143,16 @@ class LiveChannel:
         labels = KO if lang == "ko" else EN
         return [{"key": k, "label": labels[k], "value": v} for k, v in zip(COUNTER_KEYS, self.panels.counters())]
 
-    async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False) -> str:
+    async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False,
+                    figures: bool = True) -> str:
         """One poll's answer, as JSON text.
 
         Fields: ``key`` (what the figures show; the tab sends it back as ``since``), ``step``, ``pace`` and
         ``mine`` (HTML lines), ``load`` (load-generator line), ``counters`` (``[{key, label, value}]``),
         ``chat`` (the tab's streaming reply: ``{rid, title, text, final}``, or null), ``refresh`` (seconds
         until the next poll) and ``figs``: ``{occupancy, blocks, rates}`` Plotly figures, present only
-        when ``key`` differs from ``since`` (``rates`` only when asked for).
+        when ``key`` differs from ``since`` (``rates`` only when asked for). ``figures=False`` (a hidden
+        tab) sends and builds no figures.
         """
         self.polls += 1
         view = self.view(session)
@@ -167,7 +169,7 @@ class LiveChannel:
         color = self.panels.color_name(mine, lang) if mine else None
         out["mine"] = markdown_line_html(state_text(lang, "mine_panel", rid=mine, color=color)) if mine and color else ""
         figs = None
-        if view.live:
+        if view.live and figures:
             key, plots = await self.panels.frame_plots(view.window, lang, mine=mine, end=view.pin)
             out["key"] = key
             if key != since:
@@ -194,12 +196,13 @@ class LiveChannel:
                 self.reap()
 
         @router.get("/cbp/live", include_in_schema=False)
-        async def live(request: Request, session: str = "", since: str = "", rates: int = 0) -> Response:
+        async def live(request: Request, session: str = "", since: str = "", rates: int = 0,
+                       figs: int = 1) -> Response:
             if not reaper:  # started from the server's own loop, on the first poll
                 reaper.append(asyncio.get_running_loop().create_task(reap_forever()))
             if not session:
                 return Response(status_code=400, content="session missing")
-            text = await self.frame(session, since or None, lang_of(request), bool(rates))
+            text = await self.frame(session, since or None, lang_of(request), bool(rates), bool(figs))
             return Response(text, media_type="application/json", headers={"Cache-Control": "no-store"})
 
         @router.post("/cbp/bye", include_in_schema=False)
