@@ -16,6 +16,7 @@ import uuid
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.isolation import error_output, execute_isolated, reject_non_finite, sample_isolated
 from engine.kv_cache import KVCacheManager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, bytes_per_block
@@ -297,8 +298,8 @@ class EngineCore:
             return []
         self._amend_telemetry()
         finished = self.scheduler.take_finished()
-        self._record_finished(finished, time.monotonic())
         outputs = self._outputs(finished)
+        self._record_finished(finished + self.scheduler.take_finished(), time.monotonic())
         outputs += self._rejected_outputs()
         return outputs
 
@@ -335,31 +336,47 @@ class EngineCore:
         forward_time = 0.0
         if not sched.is_empty:
             tf = time.monotonic()
-            try:
-                logits, sampling = self.runner.execute_model(sched.scheduled, sched.blocks_to_copy)
-                logits, sampling = self._add_fork_rows(logits, sampling)
-                tokens = self.sampler.sample(logits, sampling) if sampling else []
-            except Exception as e:  # fail this step's requests alone; keep serving
-                log.exception("model forward failed")
-                forward_time = time.monotonic() - tf
-                for req, _ in sched.scheduled:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=f"model forward failed: {e!r}")
-            else:
-                forward_time = time.monotonic() - tf
-                changed = self.scheduler.update_from_output(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
-                for req in self.output_processor.process_tokens(changed):
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            logits, sampling, failed = execute_isolated(self.runner, sched.scheduled, sched.blocks_to_copy)
+            logits, sampling = self._add_fork_rows(logits, sampling)
+            logits, sampling, bad_rows = reject_non_finite(logits, sampling)
+            sampled, bad_samples = sample_isolated(self.sampler, logits, sampling)
+            forward_time = time.monotonic() - tf
+            for req, error in failed + bad_rows + bad_samples:  # these fail alone; the others go on
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+            changed = self.scheduler.update_from_output(sched, sampled)
+            for req in changed:
+                self._detokenize(req)
         finished = self.scheduler.take_finished()
         outputs = self._outputs(changed + finished)
+        finished += self.scheduler.take_finished()  # failed while their output was built (already in outputs)
         outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, batch_slots, changed, finished)
         return outputs
 
+    def _detokenize(self, req: Request) -> None:
+        """The output step of one request (text, stop strings); a failure there fails it alone."""
+        try:
+            for stopped in self.output_processor.process_tokens([req]):
+                self.scheduler.finish(stopped, RequestStatus.FINISHED_STOPPED)
+        except Exception as e:
+            log.exception("detokenizing failed for request %s", req.request_id)
+            self._fail(req, f"detokenizing failed: {e!r}")
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Fail one sequence: finished now (blocks freed), or, if a token-level stop finished it this
+        step already, its finish reason becomes ``error`` too."""
+        if req.is_finished:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, error
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every waiting and running request with ``error`` (their blocks go back to the pool)
-        and return their final outputs: what the async engine does when a step itself raised."""
+        and return their final outputs. Only for an engine that cannot go on: a step that raised outside
+        the per-request guards (the scheduler or the KV cache manager themselves; see the failure model
+        in docs/architecture.md)."""
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
         return self._outputs(self.scheduler.take_finished())
@@ -383,7 +400,14 @@ class EngineCore:
             if gid in seen:
                 continue
             seen.add(gid)
-            out = self.output_processor.make_output(req, self._groups.get(gid, [req]))
+            seqs = self._groups.get(gid, [req])
+            try:
+                out = self.output_processor.make_output(req, seqs)
+            except Exception as e:  # building this request's output failed: it fails alone
+                log.exception("building the output of request %s failed", gid)
+                for seq in seqs:
+                    self._fail(seq, f"building the output failed: {e!r}")
+                out = error_output(req, seqs)
             if out.finished:
                 self._groups.pop(gid, None)
                 self._live.discard(gid)
