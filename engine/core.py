@@ -16,6 +16,7 @@ import uuid
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.detokenizer import max_token_chars
 from engine.isolation import error_output, execute_isolated, reject_non_finite, sample_isolated
 from engine.kv_cache import KVCacheManager
 from engine.model_loader import load_model
@@ -138,13 +139,17 @@ class EngineCore:
         self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
 
     # ------------------------------------------------------------------ requests in
-    def tokenize(self, prompt) -> list[int]:
+    def tokenize(self, prompt, check_length: bool = True) -> list[int]:
         """Prompt -> token ids. A string (or a :class:`TextPrompt`) is tokenized as is; a list of
         ``{"role", "content"}`` dicts is rendered with the chat template (generation prompt added), a
         :class:`ChatPrompt` with its own flags; a list of ints is taken as ids.
 
+        With ``check_length``, text longer than the context length can hold (``max_model_len`` x the
+        longest vocabulary entry, in characters) is refused before it is tokenized, so a huge prompt costs
+        no tokenizer time or memory.
+
         Raises:
-            ValueError: empty or malformed prompt.
+            ValueError: empty or malformed prompt, or text that cannot fit in the context length.
         """
         add_special_tokens = True
         if isinstance(prompt, TextPrompt):
@@ -152,11 +157,13 @@ class EngineCore:
             if not isinstance(prompt, str):
                 raise ValueError("a TextPrompt's text must be a string")
         if isinstance(prompt, ChatPrompt):
-            return self._render_chat(prompt)
+            return self._render_chat(prompt, check_length)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             _check_text(prompt, "the prompt")
+            if check_length:
+                self._check_chars(len(prompt))
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             vocab = self.model.config.get_text_config().vocab_size
@@ -164,12 +171,19 @@ class EngineCore:
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(ChatPrompt(list(prompt)))
+            return self._render_chat(ChatPrompt(list(prompt)), check_length)
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise ValueError("the prompt is empty")
         raise ValueError("a prompt must be a string, a list of chat messages or a list of token ids")
 
-    def _render_chat(self, chat: ChatPrompt) -> list[int]:
+    def _check_chars(self, num_chars: int) -> None:
+        """Raise ``ValueError`` when text of ``num_chars`` characters needs more tokens than the context length."""
+        limit = self.max_model_len * max_token_chars(self.tokenizer)
+        if num_chars > limit:
+            raise ValueError(f"the prompt has {num_chars} characters, more than the context length of "
+                             f"{self.max_model_len} tokens can hold (at most {limit} characters)")
+
+    def _render_chat(self, chat: ChatPrompt, check_length: bool = True) -> list[int]:
         """A chat rendered with the chat template and its flags, then tokenized. Raises ``ValueError``."""
         messages = chat.messages
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -179,6 +193,8 @@ class EngineCore:
                 raise ValueError("each chat message needs a string 'role' and a string 'content'")
             _check_text(m["role"], "a chat message role")
             _check_text(m["content"], "a chat message")
+        if check_length:  # the template only adds text: the contents alone must fit
+            self._check_chars(sum(len(m["content"]) for m in messages))
         if chat.continue_final_message and chat.add_generation_prompt:
             raise ValueError("continue_final_message cannot be used together with add_generation_prompt")
         kwargs = dict(chat.chat_template_kwargs or {})
@@ -207,20 +223,22 @@ class EngineCore:
             raise ValueError("params must be a SamplingParams")
         params.validate()
         if cache_salt is not None:
-            if not isinstance(cache_salt, str):
-                raise ValueError("cache_salt must be a string")
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string")
             _check_text(cache_salt, "cache_salt")
         if request_id is not None and (not isinstance(request_id, str) or "#" in request_id):
             raise ValueError("a request id must be a string without '#'")
         if request_id is not None:
             _check_text(request_id, "the request id")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, check_length=params.truncate_prompt_tokens is None)
         if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k prompt tokens
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
         vocab = self.model.config.get_text_config().vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids has a token id outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids has a token id outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids is not None and params.min_tokens > 0:
