@@ -345,7 +345,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration. Returns an output for every request that got a token or ended."""
+        """Run one engine iteration. Returns an output for every request that got a token or ended.
+
+        A fault in one request's forward, logits, sampling, stop handling, detokenizing or output fails
+        that request alone (finish reason ``error``, blocks freed); see ``engine/isolation.py``.
+
+        Raises:
+            Exception: a fault outside the per-request stages (the scheduler, the KV cache manager): the
+                engine's state cannot be trusted; callers fail everything in flight (:meth:`fail_all`).
+        """
         t0 = time.monotonic()
         self._drain_inbox()
         sched = self.scheduler.schedule()
