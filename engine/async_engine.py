@@ -129,7 +129,7 @@ class AsyncEngine:
             t0 = time.monotonic()
             try:
                 outputs = self.core.step()
-            except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+            except Exception as e:  # outside the per-request guards: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(e)
             with self._lock:

@@ -16,6 +16,8 @@ import uuid
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.detokenizer import max_token_chars
+from engine.isolation import error_output, execute_isolated, reject_non_finite, sample_isolated
 from engine.kv_cache import KVCacheManager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, bytes_per_block
@@ -137,13 +139,17 @@ class EngineCore:
         self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
 
     # ------------------------------------------------------------------ requests in
-    def tokenize(self, prompt) -> list[int]:
+    def tokenize(self, prompt, check_length: bool = True) -> list[int]:
         """Prompt -> token ids. A string (or a :class:`TextPrompt`) is tokenized as is; a list of
         ``{"role", "content"}`` dicts is rendered with the chat template (generation prompt added), a
         :class:`ChatPrompt` with its own flags; a list of ints is taken as ids.
 
+        With ``check_length``, text longer than the context length can hold (``max_model_len`` x the
+        longest vocabulary entry, in characters) is refused before it is tokenized, so a huge prompt costs
+        no tokenizer time or memory.
+
         Raises:
-            ValueError: empty or malformed prompt.
+            ValueError: empty or malformed prompt, or text that cannot fit in the context length.
         """
         add_special_tokens = True
         if isinstance(prompt, TextPrompt):
@@ -151,11 +157,13 @@ class EngineCore:
             if not isinstance(prompt, str):
                 raise ValueError("a TextPrompt's text must be a string")
         if isinstance(prompt, ChatPrompt):
-            return self._render_chat(prompt)
+            return self._render_chat(prompt, check_length)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
             _check_text(prompt, "the prompt")
+            if check_length:
+                self._check_chars(len(prompt))
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             vocab = self.model.config.get_text_config().vocab_size
@@ -163,12 +171,19 @@ class EngineCore:
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(ChatPrompt(list(prompt)))
+            return self._render_chat(ChatPrompt(list(prompt)), check_length)
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise ValueError("the prompt is empty")
         raise ValueError("a prompt must be a string, a list of chat messages or a list of token ids")
 
-    def _render_chat(self, chat: ChatPrompt) -> list[int]:
+    def _check_chars(self, num_chars: int) -> None:
+        """Raise ``ValueError`` when text of ``num_chars`` characters needs more tokens than the context length."""
+        limit = self.max_model_len * max_token_chars(self.tokenizer)
+        if num_chars > limit:
+            raise ValueError(f"the prompt has {num_chars} characters, more than the context length of "
+                             f"{self.max_model_len} tokens can hold (at most {limit} characters)")
+
+    def _render_chat(self, chat: ChatPrompt, check_length: bool = True) -> list[int]:
         """A chat rendered with the chat template and its flags, then tokenized. Raises ``ValueError``."""
         messages = chat.messages
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -178,6 +193,8 @@ class EngineCore:
                 raise ValueError("each chat message needs a string 'role' and a string 'content'")
             _check_text(m["role"], "a chat message role")
             _check_text(m["content"], "a chat message")
+        if check_length:  # the template only adds text: the contents alone must fit
+            self._check_chars(sum(len(m["content"]) for m in messages))
         if chat.continue_final_message and chat.add_generation_prompt:
             raise ValueError("continue_final_message cannot be used together with add_generation_prompt")
         kwargs = dict(chat.chat_template_kwargs or {})
@@ -206,20 +223,22 @@ class EngineCore:
             raise ValueError("params must be a SamplingParams")
         params.validate()
         if cache_salt is not None:
-            if not isinstance(cache_salt, str):
-                raise ValueError("cache_salt must be a string")
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string")
             _check_text(cache_salt, "cache_salt")
         if request_id is not None and (not isinstance(request_id, str) or "#" in request_id):
             raise ValueError("a request id must be a string without '#'")
         if request_id is not None:
             _check_text(request_id, "the request id")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, check_length=params.truncate_prompt_tokens is None)
         if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k prompt tokens
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
         vocab = self.model.config.get_text_config().vocab_size
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids has a token id outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids has a token id outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids is not None and params.min_tokens > 0:
@@ -297,8 +316,8 @@ class EngineCore:
             return []
         self._amend_telemetry()
         finished = self.scheduler.take_finished()
-        self._record_finished(finished, time.monotonic())
         outputs = self._outputs(finished)
+        self._record_finished(finished + self.scheduler.take_finished(), time.monotonic())
         outputs += self._rejected_outputs()
         return outputs
 
@@ -326,7 +345,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration. Returns an output for every request that got a token or ended."""
+        """Run one engine iteration. Returns an output for every request that got a token or ended.
+
+        A fault in one request's forward, logits, sampling, stop handling, detokenizing or output fails
+        that request alone (finish reason ``error``, blocks freed); see ``engine/isolation.py``.
+
+        Raises:
+            Exception: a fault outside the per-request stages (the scheduler, the KV cache manager): the
+                engine's state cannot be trusted; callers fail everything in flight (:meth:`fail_all`).
+        """
         t0 = time.monotonic()
         self._drain_inbox()
         sched = self.scheduler.schedule()
@@ -335,31 +362,47 @@ class EngineCore:
         forward_time = 0.0
         if not sched.is_empty:
             tf = time.monotonic()
-            try:
-                logits, sampling = self.runner.execute_model(sched.scheduled, sched.blocks_to_copy)
-                logits, sampling = self._add_fork_rows(logits, sampling)
-                tokens = self.sampler.sample(logits, sampling) if sampling else []
-            except Exception as e:  # fail this step's requests alone; keep serving
-                log.exception("model forward failed")
-                forward_time = time.monotonic() - tf
-                for req, _ in sched.scheduled:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=f"model forward failed: {e!r}")
-            else:
-                forward_time = time.monotonic() - tf
-                changed = self.scheduler.update_from_output(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
-                for req in self.output_processor.process_tokens(changed):
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            logits, sampling, failed = execute_isolated(self.runner, sched.scheduled, sched.blocks_to_copy)
+            logits, sampling = self._add_fork_rows(logits, sampling)
+            logits, sampling, bad_rows = reject_non_finite(logits, sampling)
+            sampled, bad_samples = sample_isolated(self.sampler, logits, sampling)
+            forward_time = time.monotonic() - tf
+            for req, error in failed + bad_rows + bad_samples:  # these fail alone; the others go on
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+            changed = self.scheduler.update_from_output(sched, sampled)
+            for req in changed:
+                self._detokenize(req)
         finished = self.scheduler.take_finished()
         outputs = self._outputs(changed + finished)
+        finished += self.scheduler.take_finished()  # failed while their output was built (already in outputs)
         outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, batch_slots, changed, finished)
         return outputs
 
+    def _detokenize(self, req: Request) -> None:
+        """The output step of one request (text, stop strings); a failure there fails it alone."""
+        try:
+            for stopped in self.output_processor.process_tokens([req]):
+                self.scheduler.finish(stopped, RequestStatus.FINISHED_STOPPED)
+        except Exception as e:
+            log.exception("detokenizing failed for request %s", req.request_id)
+            self._fail(req, f"detokenizing failed: {e!r}")
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Fail one sequence: finished now (blocks freed), or, if a token-level stop finished it this
+        step already, its finish reason becomes ``error`` too."""
+        if req.is_finished:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, error
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every waiting and running request with ``error`` (their blocks go back to the pool)
-        and return their final outputs: what the async engine does when a step itself raised."""
+        and return their final outputs. Only for an engine that cannot go on: a step that raised outside
+        the per-request guards (the scheduler or the KV cache manager themselves; see the failure model
+        in docs/architecture.md)."""
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
         return self._outputs(self.scheduler.take_finished())
@@ -383,7 +426,14 @@ class EngineCore:
             if gid in seen:
                 continue
             seen.add(gid)
-            out = self.output_processor.make_output(req, self._groups.get(gid, [req]))
+            seqs = self._groups.get(gid, [req])
+            try:
+                out = self.output_processor.make_output(req, seqs)
+            except Exception as e:  # building this request's output failed: it fails alone
+                log.exception("building the output of request %s failed", gid)
+                for seq in seqs:
+                    self._fail(seq, f"building the output failed: {e!r}")
+                out = error_output(req, seqs)
             if out.finished:
                 self._groups.pop(gid, None)
                 self._live.discard(gid)

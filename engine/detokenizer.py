@@ -292,3 +292,25 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self._stops):
                 return n
         return 0
+
+
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: the longest entry of the vocabulary (added
+    tokens included). A byte-level BPE entry has one character per byte, a SentencePiece entry one per
+    character, so a text of ``c`` characters needs at least ``c / max_token_chars`` tokens: a prompt
+    longer than ``max_model_len * max_token_chars`` characters can be refused before it is tokenized.
+    Computed once per tokenizer."""
+    try:
+        return _MAX_TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    n = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    n = max([n, 1] + [len(str(t)) for t in getattr(tokenizer, "all_special_tokens", ())])
+    try:
+        _MAX_TOKEN_CHARS[tokenizer] = n
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return n

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -49,6 +53,12 @@ class LLM:
 
         Raises:
             ValueError: a bad prompt or sampling value (nothing is run then).
+            Exception: whatever an engine step raised (a fault that is not one request's alone: see the
+                failure model in docs/architecture.md); everything the call admitted is aborted and
+                freed first, so the next call works.
+
+        A request that fails alone (non-finite logits, a detokenizer fault, a forward that fails for it
+        alone) does not raise: its output has ``finish_reason == "error"`` and ``error`` set.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (dict, int))
@@ -64,11 +74,25 @@ class LLM:
         for p, sp in zip(prompts, params):
             self._counter += 1
             reqs.append(self.engine.make_request(f"offline-{self._counter}", p, sp))
-        for r in reqs:
-            self.engine.enqueue(r)
+        ids = {r.group_id for r in reqs}
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(reqs):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[r.request_id] for r in reqs]
+        try:
+            for r in reqs:
+                self.engine.enqueue(r)
+            while len(final) < len(reqs):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        final[out.request_id] = out
+        except BaseException:  # a step raised (or Ctrl-C): free everything this call admitted, then re-raise
+            self._abort(ids - set(final))
+            raise
+        return [final[r.group_id] for r in reqs]
+
+    def _abort(self, ids: set[str]) -> None:
+        """Abort the requests ``ids`` now (their blocks go back to the pool) so the next call starts clean."""
+        for rid in ids:
+            self.engine.abort_request(rid)
+        try:
+            self.engine.process_inbox()
+        except Exception:  # the engine itself is broken: the original error is the one to report
+            log.exception("aborting the requests of a failed generate() call failed")

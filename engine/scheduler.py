@@ -24,6 +24,7 @@ batch is done.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, BatchSlotSnapshot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -244,28 +247,40 @@ class Scheduler:
         for req, n in out.scheduled:
             if req.is_finished:  # aborted or failed during the step
                 continue
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
             siblings = [s for s in req.pending_forks if not s.is_finished]
-            req.pending_forks = []
-            for sib in siblings:  # parallel sampling: the siblings fork off the computed prompt
-                self.kv.fork(req, sib)
-                sib.num_computed_tokens = req.num_computed_tokens
-                sib.status = RequestStatus.RUNNING
-                sib.scheduled_time = req.scheduled_time
-                self.running.append(sib)
-            for r, t in [(req, tok)] + [(s, sampled[s.request_id]) for s in siblings]:
-                r.output_token_ids.append(t)
-                if r.first_token_time is None:
-                    r.first_token_time = now
-                status = self._check_stop(r, t)
-                if status is not None:
-                    self.finish(r, status)
-                changed.append(r)
+            try:
+                self._apply_step(req, n, siblings, sampled, changed, now)
+            except Exception as e:  # a fault in this request's stop handling or fork: it fails alone
+                log.exception("applying the step to request %s failed", req.request_id)
+                for r in [req] + siblings:
+                    if r in changed:
+                        changed.remove(r)
+                    self.finish(r, RequestStatus.FINISHED_ERROR, error=f"stop handling failed: {e!r}")
         return changed
+
+    def _apply_step(self, req: Request, n: int, siblings: list[Request], sampled: dict[str, int],
+                    changed: list[Request], now: float) -> None:
+        """:meth:`update_from_output` for one scheduled request and the siblings that fork off it."""
+        req.num_computed_tokens += n
+        self.kv.cache_blocks(req)
+        tok = sampled.get(req.request_id)
+        if tok is None:
+            return
+        req.pending_forks = []
+        for sib in siblings:  # parallel sampling: the siblings fork off the computed prompt
+            self.kv.fork(req, sib)
+            sib.num_computed_tokens = req.num_computed_tokens
+            sib.status = RequestStatus.RUNNING
+            sib.scheduled_time = req.scheduled_time
+            self.running.append(sib)
+        for r, t in [(req, tok)] + [(s, sampled[s.request_id]) for s in siblings]:
+            r.output_token_ids.append(t)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            status = self._check_stop(r, t)
+            if status is not None:
+                self.finish(r, status)
+            changed.append(r)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
+from server.http_guards import DEFAULT_MAX_BODY_BYTES
 from server.openai_api import create_api
 
 DEFAULT_HOST = "127.0.0.1"
@@ -27,7 +28,8 @@ DEFAULT_PORT = 7860
 
 def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
                  rate_limit: int | None = None, rate_period: float = 1.0, retry_after: int = 1,
-                 queue_size: int | None = None, mount_kwargs: dict[str, Any] | None = None) -> FastAPI:
+                 queue_size: int | None = None, mount_kwargs: dict[str, Any] | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving the API and, at ``/``, the Gradio ``demo``.
 
     Args:
@@ -42,10 +44,12 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         queue_size: Gradio's queue bound (``demo.queue(max_size=...)``; None = unbounded).
         mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme, footer_links...);
             the playground's are ``ui.layout.mount_kwargs(demo)``. None = Gradio's defaults.
+        max_request_body_bytes: the largest API request body (bytes); larger ones get HTTP 413.
     """
     if max_pending is not None:
         engine.max_pending = max_pending
-    app = create_api(engine, model_name, rate_limit=rate_limit, rate_period=rate_period, retry_after=retry_after)
+    app = create_api(engine, model_name, rate_limit=rate_limit, rate_period=rate_period, retry_after=retry_after,
+                     max_body_bytes=max_request_body_bytes)
     if demo is not None:
         import gradio as gr
 

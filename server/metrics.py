@@ -56,7 +56,7 @@ class EngineMetrics:
                                ["model_name", "finished_reason"], registry=self.registry)
         self.rejected = Counter(f"{p}:api_rejected_requests",
                                 "API requests refused before reaching the engine, by reason "
-                                "(invalid, overloaded, rate_limited, unavailable).",
+                                "(invalid, too_large, method_not_allowed, overloaded, rate_limited, unavailable).",
                                 ["model_name", "reason"], registry=self.registry)
         self.registry.register(self)
 

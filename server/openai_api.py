@@ -16,6 +16,9 @@ an unknown model; see :mod:`server.protocol`): a 4xx with an OpenAI-style body
 Every field of OpenAI's and vLLM's requests is honoured or refused with a 400 naming it
 (:func:`server.protocol.check_refused`); response bodies, logprobs included, are built by
 :mod:`server.responses` and :mod:`server.logprobs`.
+``HEAD`` answers like ``GET`` on ``/health``, ``/v1/models`` and ``/metrics``; a known path asked with a
+method it does not serve answers 405 with ``Allow``; a body over ``max_body_bytes`` answers 413
+(:mod:`server.http_guards`). Every refusal is counted in ``cbp:api_rejected_requests_total``.
 A full engine (its ``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past
 its rate limit (:mod:`server.ratelimit`).
 A client that goes away, streaming or not, aborts its engine request at the next engine step, so its
@@ -41,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineOverloadedError
 from engine.request import ChatPrompt, RequestOutput, SamplingParams, TextPrompt
+from server.http_guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, MethodCheck
 from server.logprobs import TokenText
 from server.metrics import EngineMetrics
 from server.protocol import (
@@ -324,7 +328,7 @@ class OpenAIServer:
 
 def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit: int | None = None,
                rate_period: float = 1.0, retry_after: int = 1, metrics_prefix: str = "cbp",
-               app: FastAPI | None = None) -> FastAPI:
+               app: FastAPI | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` for ``engine``.
 
     Args:
@@ -338,6 +342,8 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         metrics_prefix: metric name prefix (``cbp:num_requests_running``...).
         app: add the routes to this FastAPI app instead of a new one (they must come before any
             catch-all mount such as Gradio's at ``/``).
+        max_body_bytes: the largest request body of a ``/v1/`` route (bytes); larger ones get 413 and
+            are never read whole (:class:`server.http_guards.BodySizeLimit`).
 
     Returns:
         The FastAPI app; ``app.state.openai_server`` and ``app.state.metrics`` hold the handlers.
@@ -350,6 +356,8 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     server = OpenAIServer(engine, model_name, limiter, retry_after, metrics)
     app.state.openai_server = server
     app.state.metrics = metrics
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
+    app.add_middleware(MethodCheck, router_app=app, on_reject=metrics.reject)  # outermost: before any body
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -375,8 +383,10 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # e.g. a body that is not UTF-8: FastAPI's "error parsing the body"
+            metrics.reject("invalid")
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
-                        else "server_error").response()
+                        else "server_error", headers=getattr(exc, "headers", None)).response()
 
     def _unicode_error(body) -> Response | None:
         """A 400 response when a string of the parsed body is not valid Unicode, else None."""
@@ -397,19 +407,19 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         """OpenAI (legacy) text completions (streaming with ``stream: true``)."""
         return _unicode_error(body) or await server.completions(request, body)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         """The served model."""
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def model(model: str):
         """One model, 404 when it is not the served one."""
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return server.model_card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """200 while the engine thread runs, 503 otherwise. The body has the engine's step counter, whether it
         is paused, running and waiting requests (as the page's counters: the newest step, the queue now) and
@@ -421,7 +431,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
                     "in_flight": engine.num_pending}
         return JSONResponse({"status": "unavailable", "detail": "the engine thread is not running"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics():
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

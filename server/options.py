@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 from engine.options import Option, add_options
 
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: see the option's help
+
 SERVER_OPTIONS: tuple[Option, ...] = (
     Option("host", str, None, "address to bind (default: GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 for all)"),
     Option("port", int, None, "port (default: GRADIO_SERVER_PORT or the first free one from 7860)", low=0,
@@ -22,6 +24,9 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     Option("rate_limit", int, 0, "API requests per --rate-period per client host; 0 = no limit", low=0),
     Option("rate_period", float, 60.0, "seconds of the rate-limit window", low=0, low_open=True),
     Option("queue_size", int, 256, "Gradio's event queue bound", low=1),
+    Option("max_request_body_bytes", int, DEFAULT_MAX_BODY_BYTES,
+           "largest API request body in bytes; larger ones get HTTP 413 unread (the default, 4 MiB, holds a "
+           "full context as escaped JSON with room for logit_bias over the whole vocabulary)", low=1),
     Option("served_model_name", str, None,
            "model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)"),
     Option("log_level", str, "info", "how much the app logs; debug adds tracebacks, kernel and library detail",
@@ -43,4 +48,5 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     """:func:`server.app.build_server` keyword arguments from a namespace parsed with
     :func:`add_server_options` (``rate_limit`` 0 means no limit: None)."""
     return {"model_name": args.served_model_name, "max_pending": args.max_pending,
-            "rate_limit": args.rate_limit or None, "rate_period": args.rate_period, "queue_size": args.queue_size}
+            "rate_limit": args.rate_limit or None, "rate_period": args.rate_period, "queue_size": args.queue_size,
+            "max_request_body_bytes": args.max_request_body_bytes}

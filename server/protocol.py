@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -69,7 +69,7 @@ def check_unicode(value, path: str = "body") -> None:
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
                 "stop", "stop_token_ids", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty",
                 "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "continue_final_message",
-                "chat_template_kwargs")
+                "chat_template_kwargs", "cache_salt")
 
 
 def param_of(message: str, prompt_param: str) -> tuple[str | None, str | None]:
@@ -91,58 +91,62 @@ class StreamOptions(BaseModel):
     """``stream_options`` of a streamed request."""
 
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk, with include_usage
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage (so far) in every chunk, with include_usage
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints: OpenAI's, then vLLM's extra sampling fields."""
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extra sampling fields.
+
+    Numbers and booleans are strict JSON types, as OpenAI's API takes them: ``"n": "2"``, ``"stream":
+    "yes"``, ``"max_tokens": 5.0`` or ``"temperature": true`` are refused with a 400 naming the field (an
+    integer is accepted where a number is expected)."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stream: bool | None = False
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
-    echo: bool | None = None
-    best_of: int | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
     response_format: dict | None = None
     # vLLM's extra fields (``extra_body`` in the openai client)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = False
-    skip_special_tokens: bool | None = True
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = False
+    skip_special_tokens: StrictBool | None = True
     cache_salt: str | None = None
-    min_tokens: int | None = None
-    include_stop_str_in_output: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool | None = None
+    min_tokens: StrictInt | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    add_special_tokens: StrictBool | None = None
     request_id: str | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: Any = None  # checked by hand for clear messages
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     # vLLM's chat rendering fields
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -150,7 +154,7 @@ class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: Any = None  # a string, token ids, or a list holding one of those
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None
 
 
 # ---------------------------------------------------------------------------------------------- refused fields

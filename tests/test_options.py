@@ -79,7 +79,7 @@ def test_environment_variables_and_command_line_precedence():
     assert a.dtype is None  # an empty variable is unset
     assert app.engine_kwargs(a)["max_num_seqs"] == 32 and app.engine_kwargs(a)["enable_prefix_caching"] is False
     assert server_kwargs(a) == {"model_name": "m", "max_pending": 256, "rate_limit": 5, "rate_period": 10.0,
-                                "queue_size": 256}
+                                "queue_size": 256, "max_request_body_bytes": 4 * 1024 * 1024}
     b = app.parse_args(["--max-num-seqs", "8", "--enable-prefix-caching", "--no-share", "--policy", "continuous"],
                        env=env)
     assert (b.max_num_seqs, b.enable_prefix_caching, b.share, b.policy) == (8, True, False, "continuous")

@@ -1,0 +1,135 @@
+"""HTTP-level guards of the API, in front of FastAPI's routing (plain ASGI middleware).
+
+- :class:`BodySizeLimit`: a request body over ``max_body_bytes`` is answered 413 without being read
+  whole: a ``Content-Length`` over the limit is refused before any byte of the body is read, and a body
+  without one (chunked) is counted while it streams in and refused as soon as it passes the limit. At
+  most ``max_body_bytes`` are ever buffered per request.
+- :class:`MethodCheck`: a known API path asked with a method it does not serve (``GET
+  /v1/chat/completions``) is answered 405 with an ``Allow`` header, even when a catch-all mount
+  (the Gradio page at ``/``) would otherwise take it and answer 404.
+
+Both answer with the API's OpenAI-style error body (:class:`server.protocol.APIError`) and count the
+refusal in ``cbp:api_rejected_requests_total`` through ``on_reject(reason)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starlette.routing import Match, Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.options import DEFAULT_MAX_BODY_BYTES
+from server.protocol import APIError
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "MethodCheck"]
+
+
+async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await error.response()(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Refuse request bodies over ``max_body_bytes`` (HTTP 413) on paths starting with one of ``prefixes``.
+
+    Args:
+        app: the ASGI app behind.
+        max_body_bytes: the largest body accepted (bytes, >= 1).
+        on_reject: called with ``"too_large"`` (413) or ``"invalid"`` (a malformed ``Content-Length``: 400).
+        prefixes: the guarded paths (the API's; the page's own routes are left to Gradio).
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, on_reject: Callable[[str], None],
+                 prefixes: tuple[str, ...] = ("/v1/",)) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.app = app
+        self.max_body_bytes = int(max_body_bytes)
+        self.on_reject = on_reject
+        self.prefixes = prefixes
+
+    def _too_large(self) -> APIError:
+        self.on_reject("too_large")
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
+                        "(--max-request-body-bytes)", param=None, code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared < 0:
+                self.on_reject("invalid")
+                await _answer(APIError(400, "malformed Content-Length header", code="invalid_request"),
+                              scope, receive, send)
+                return
+            if declared > self.max_body_bytes:
+                await _answer(self._too_large(), scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                chunks_message: Message = message
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await _answer(self._too_large(), scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                chunks_message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return chunks_message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class MethodCheck:
+    """Answer 405 with ``Allow`` for a path one of the app's API routes serves, asked with another method.
+
+    Args:
+        app: the ASGI app behind.
+        router_app: the FastAPI / Starlette app whose routes are checked (mounts are skipped).
+        on_reject: called with ``"method_not_allowed"``.
+    """
+
+    def __init__(self, app: ASGIApp, router_app, on_reject: Callable[[str], None]) -> None:
+        self.app = app
+        self.router_app = router_app
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            allowed: set[str] = set()
+            for route in self.router_app.router.routes:
+                if isinstance(route, Mount):
+                    continue
+                match, _ = route.matches(scope)
+                if match == Match.FULL:
+                    allowed = set()
+                    break
+                if match == Match.PARTIAL:
+                    allowed |= set(getattr(route, "methods", None) or ())
+            if allowed:
+                self.on_reject("method_not_allowed")
+                allow = ", ".join(sorted(allowed))
+                await _answer(APIError(405, f"method {scope['method']} is not allowed on {scope['path']}; "
+                                       f"allowed: {allow}", code="method_not_allowed", headers={"Allow": allow}),
+                              scope, receive, send)
+                return
+        await self.app(scope, receive, send)
