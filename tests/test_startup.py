@@ -78,3 +78,19 @@ def test_startup_lines_name_model_dtype_kernels_and_pool():
     assert "ZeroGPU Space: the engine runs on the CPU" in text
     assert "96 KV blocks x 16 tokens (1,536 tokens), 4 batch slots" in text
     assert len(lines) <= 6
+
+
+def test_space_python_is_the_readme_python_and_ci_resolves_requirements_on_it():
+    """The Space's Python (front matter) is the one the README's quick start names, and CI checks that
+    requirements.txt resolves from PyPI alone on it (scripts/check_requirements.sh reads the front matter)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    front = readme.split("---")[1]
+    space = re.search(r'^python_version:\s*"?([0-9.]+)"?\s*$', front, re.M).group(1)
+    quick = re.search(r"^## Quick start \(Linux, Python ([0-9.]+)\)", readme, re.M).group(1)
+    assert space == quick
+    assert "scripts/check_requirements.sh" in (ROOT / ".ci" / "run").read_text()
+    pins = (ROOT / "requirements.txt").read_text()
+    assert re.search(r"^torch==2\.13\.0$", pins, re.M) and re.search(r"^triton==3\.7\.1;", pins, re.M), \
+        "torch 2.13.0 on Linux requires triton==3.7.1: other pins do not resolve from PyPI"
