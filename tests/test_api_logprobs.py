@@ -183,6 +183,16 @@ def test_real_model_greedy_logprobs(real_model):
         assert "Paris" in "".join(e.token for e in content)
         streamed = [e for c in api.client.chat.completions.create(**kw, stream=True)
                     for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+        # the same tokens and top-3 lists; logprobs equal up to float32 rounding: the second request finds
+        # its prompt in the prefix cache and prefills one token instead of 35, and on some CPUs (MKL's
+        # kernels differ by row count) that rounds differently in the last bits
+        def shape(entries):
+            return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+
+        def numbers(entries):
+            return [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+        assert shape(streamed) == shape(content)
+        assert numbers(streamed) == pytest.approx(numbers(content), abs=1e-4)
     finally:
         gen.close()

@@ -265,11 +265,16 @@ def build_app(
                         api_visibility=pacing_api)
         stop_btn.click(stop_load, None, None, api_name="stop_load", concurrency_limit=None,
                        api_visibility=pacing_api)
-        pause_btn.click(pause, None, None, api_name="pause", api_visibility=pacing_api, queue=False)
-        resume_btn.click(resume, None, None, api_name="resume", api_visibility=pacing_api, queue=False)
-        step_btn.click(step_once, None, None, api_name="step", api_visibility=pacing_api,
-                       trigger_mode="multiple", concurrency_limit=None)
-        slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False)
+        # once a pacing event has run, the tab polls at once: the panels show its effect without waiting
+        poll_now = "() => { if (window.cbpPoll) window.cbpPoll(); }"
+        for event in (
+            pause_btn.click(pause, None, None, api_name="pause", api_visibility=pacing_api, queue=False),
+            resume_btn.click(resume, None, None, api_name="resume", api_visibility=pacing_api, queue=False),
+            step_btn.click(step_once, None, None, api_name="step", api_visibility=pacing_api, queue=False,
+                           trigger_mode="multiple"),
+            slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False),
+        ):
+            event.then(None, None, None, js=poll_now, api_visibility="private", queue=False)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
     demo.cbp_loadgen = loadgen
     demo.cbp_chat = chat

@@ -20,7 +20,8 @@
     st.timer = setTimeout(poll, seconds * 1000);
   }
 
-  function pollSoon() { schedule(0.03); }
+  function pollSoon() { schedule(0.01); }
+  window.cbpPoll = pollSoon; // the page's events call it once they have run (ui/layout.py: .then(js=...))
 
   function draw(name, fig) {
     const host = $(name);
