@@ -260,6 +260,14 @@ class ChatHandlers:
             self._stopping.discard(request_id)
             self._cleared.discard(request_id)
 
+    async def respond_api(self, message: str, history: list[dict] | None, temperature: float, top_p: float,
+                          max_new_tokens: float, seed: float | None, request: gr.Request) -> AsyncIterator[tuple]:
+        """:meth:`respond` for the ``/chat`` API (``gradio_client``): yields ``(chatbot value, textbox value)``."""
+        async with contextlib.aclosing(self.respond(message, history, temperature, top_p, max_new_tokens, seed,
+                                                    request)) as replies:
+            async for chatbot, box, _request_id in replies:
+                yield chatbot, box
+
     async def _stream(self, history, message, messages, params, request_id, lang) -> AsyncIterator[tuple]:
         shown_before = [*(history or []), {"role": "user", "content": message}]
 

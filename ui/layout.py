@@ -98,7 +98,7 @@ def build_app(
     (``demo.cbp_router``) the server includes next to the page (:func:`server.build_server`, :func:`launch`).
 
     API endpoints: ``/chat`` (message, history, temperature, top_p, max_new_tokens, seed -> history,
-    textbox, request id; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``,
+    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``,
     ``/pause``, ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no
     host key is set.
     """
@@ -236,7 +236,7 @@ def build_app(
             build_compare_tab(engine)
 
         given_key = gr.Textbox(visible=False)
-        mine_box = gr.Textbox(visible=False)  # the /chat API's third output: the reply's request id
+        mine_box = gr.Textbox(visible=False)  # the reply's request id (start's third output)
         commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
         api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
 
@@ -257,8 +257,7 @@ def build_app(
         started.then(unlock_send, None, send, api_visibility="private", queue=False)
         commit_btn.click(chat.commit, None, [chatbot, send], api_visibility="private", queue=False,
                          trigger_mode="multiple")
-        api_chat.click(chat.respond, chat_inputs, [chatbot, msg, mine_box], api_name="chat",
-                       concurrency_limit=None)
+        api_chat.click(chat.respond_api, chat_inputs, [chatbot, msg], api_name="chat", concurrency_limit=None)
         stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
         clear_btn.click(clear, None, [chatbot, msg, send], api_name="clear", concurrency_limit=None)
         start_btn.click(start_load, [n_chats, rate], None, api_name="start_load", concurrency_limit=None,
