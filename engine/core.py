@@ -122,7 +122,7 @@ class EngineCore:
         limits = [num_blocks * cfg.block_size, getattr(text_cfg, "max_position_embeddings", None), cfg.max_model_len]
         self.max_model_len = min(x for x in limits if x)
         cfg.max_model_len = self.max_model_len
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.free_block_order)
         self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size)
         self.sampler = Sampler()
@@ -328,6 +328,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration. Returns an output for every request that got a token or ended."""
         t0 = time.monotonic()
+        self.kv.pool.step = self.step_count + 1  # stamps the blocks taken and freed in this step
         self._drain_inbox()
         sched = self.scheduler.schedule()
         batch_slots = self.scheduler.batch_slot_snapshot(sched)
@@ -355,6 +356,7 @@ class EngineCore:
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, batch_slots, changed, finished)
+        self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -418,6 +420,8 @@ class EngineCore:
                 prefix_cache_hits=kv.prefix_cache_hits,
                 cache_hit_blocks=kv.cache_hit_blocks,
                 waiting=tuple(r.request_id for r in self.scheduler.waiting),
+                block_takes=self.kv.pool.take_events(),
+                block_origins=kv.block_origins,
             )
         )
         self._record_finished(finished, now)
@@ -434,7 +438,7 @@ class EngineCore:
         self.telemetry.amend_latest(dataclasses.replace(
             last, block_tables=kv.block_tables, block_refcount=kv.block_refcount, block_tokens=kv.block_tokens,
             block_reuses=kv.block_reuses, cached_blocks=kv.cached_blocks, cache_hit_blocks=kv.cache_hit_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
+            block_origins=kv.block_origins, num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
         ))
 
     def _record_finished(self, finished: list[Request], now: float) -> None:

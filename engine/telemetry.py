@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 PHASE_IDLE = "idle"
 PHASE_PREFILL = "prefill"
@@ -71,6 +73,11 @@ class StepSnapshot:
         prefix_cache_hits: of those, tokens found cached and not recomputed (tokens).
         cache_hit_blocks: ids of held blocks that a request got from the prefix cache.
         waiting: ids of the waiting requests, in queue order (the first is admitted next).
+        block_takes: the blocks requests took in this step, in order: one ``engine.kv_cache.BlockTake``
+            each (block id, request, kind: new / reused / cached / shared / own, previous owner, the step it
+            was freed in).
+        block_origins: held block id -> the ``BlockTake`` by which its (first) holder got it, so a block
+            taken earlier still says whose it was.
     """
 
     step: int
@@ -94,6 +101,8 @@ class StepSnapshot:
     prefix_cache_hits: int = 0
     cache_hit_blocks: frozenset[int] = frozenset()
     waiting: tuple[str, ...] = ()
+    block_takes: tuple = ()
+    block_origins: Mapping[int, Any] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
