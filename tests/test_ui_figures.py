@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_block_map_cells_owner_free_cached_and_reused():
     assert owners[4:] == ["free", "free, cached prefix", "free", "free"]
     ids = [c[0] for row in heat.customdata for c in row]
     assert ids == list(range(NUM_BLOCKS))
-    assert [list(c[2:]) for row in heat.customdata for c in row][:4] == [[4, 1, 0], [4, 1, 0], [4, 1, 1], [1, 1, 0]]
+    assert [list(c[2:5]) for row in heat.customdata for c in row][:4] == [[4, 1, 0], [4, 1, 0], [4, 1, 1], [1, 1, 0]]
     # block 2 (row 0, column 2) was handed from B to C: it is the only reused mark
     assert list(zip(reused.x, reused.y)) == [(2, 0)]
     assert len(shared.x) == 0
@@ -467,3 +468,29 @@ def test_scheduler_snapshot_reports_the_prompt_tokens_found_in_the_prefix_cache(
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 8  # two full blocks of "a"'s prompt (the last token is always computed)
     assert second.num_scheduled_tokens == 3 and second.num_computed_tokens == 11
+
+
+# --------------------------------------------------------------------------- block provenance
+def test_block_map_marks_blocks_taken_this_step_and_hover_says_whose_they_were():
+    from engine.kv_cache import BlockTake
+    from ui.i18n import figure_labels
+
+    d_takes = (BlockTake(2, "C", 3, "reused", "B", 2), BlockTake(3, "C", 3, "new"))
+    a_origin = BlockTake(0, "A", 1, "new")
+    s = dataclasses.replace(SEQ[-1], block_takes=d_takes, block_origins={0: a_origin, 2: d_takes[0], 3: d_takes[1]})
+    fig = F.block_map_figure(s, F.default_colors(SEQ), columns=4)
+    taken = fig.data[6]
+    assert taken.name == "taken this step" and taken.marker.symbol == "triangle-right"
+    assert list(zip(taken.x, taken.y)) == [(2 - 0.3, 0), (3 - 0.3, 0)]
+    assert list(zip(fig.data[1].x, fig.data[1].y)) == [(2, 0)]  # the recycled dot stays
+    hover = [c[5] for row in fig.data[0].customdata for c in row]
+    assert hover[2] == "taken at step 3 · was B's, freed at step 2"
+    assert hover[3] == "taken at step 3 · never used before" and hover[0] == "taken at step 1 · never used before"
+    assert hover[1] == "" and hover[4] == ""  # no origin known / a free block
+    assert "%{customdata[5]}" in fig.data[0].hovertemplate
+    assert F.origin_text(BlockTake(5, "E", 9, "cached", "A", 4)) == "taken at step 9 · cached prefix of A, freed at step 4"
+    assert F.origin_text(BlockTake(5, "E", 9, "shared", "A")) == "taken at step 9 · shared with A"
+    ko = F.block_map_figure(s, F.default_colors(SEQ), labels=figure_labels("ko"), columns=4)
+    assert ko.data[6].name == "이번 스텝에 받은 블록"
+    assert [c[5] for row in ko.data[0].customdata for c in row][2] == "스텝 3에 받음 · B의 블록이었음, 스텝 2에 해제"
+    assert len(F.block_map_figure(SEQ[0], columns=4).data[6].x) == 0  # no takes recorded: no marks

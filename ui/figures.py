@@ -47,7 +47,30 @@ LABELS_EN = {
     "reused_marker": "reused block", "running": "running", "waiting": "waiting", "kv": "KV usage %",
     "prefill": "prefill", "decode": "decode", "idle": "idle (held)",
     "outside": "not in the pool", "mine": "your request", "cache_hit_tokens": "prefix-cache hit tokens",
+    "taken_marker": "taken this step", "taken_at": "taken at step {step}", "origin_new": "never used before",
+    "origin_reused": "was {owner}'s, freed at step {freed}", "origin_own": "its own again, freed at step {freed}",
+    "origin_cached": "cached prefix of {owner}, freed at step {freed}", "origin_shared": "shared with {owner}",
 }
+
+
+def origin_text(take, labels: Mapping[str, str] | None = None) -> str:
+    """Hover text of a held block's provenance, e.g. ``"taken at step 12 · was A's, freed at step 11"``.
+
+    Args:
+        take: an ``engine.kv_cache.BlockTake`` (``step``, ``kind``, ``previous_owner``, ``freed_step``), or None.
+        labels: translated texts (keys of :data:`LABELS_EN`).
+
+    Returns:
+        the text; "" for None.
+    """
+    if take is None:
+        return ""
+    L = {**LABELS_EN, **(labels or {})}
+    key = "origin_" + take.kind if ("origin_" + take.kind) in L else "origin_new"
+    if take.previous_owner is None and key != "origin_shared":
+        key = "origin_new"
+    how = L[key].format(owner=take.previous_owner, freed="?" if take.freed_step is None else take.freed_step)
+    return f"{L['taken_at'].format(step=take.step)} · {how}"
 
 
 DEFAULT_WINDOW = 96  # steps on the occupancy x axis before the first step (the panel's default window)
@@ -229,7 +252,9 @@ def block_map_figure(
     trace 2 marks shared blocks (refcount > 1); trace 3 is the legend entry of cached-free blocks;
     trace 4 marks held blocks that their request found in the prefix cache instead of computing them;
     trace 5 marks with a faint "x" the grid cells past the last block ("not in the pool"), which show
-    the grid colour.
+    the grid colour; trace 6 marks with ▷ (left of the cell's centre) the blocks taken in this step
+    (``snap.block_takes``), so a hand-over of blocks shows at the step it happens. ``customdata[5]`` is the
+    held block's provenance (:func:`origin_text`: taken at step N, whose it was, the step it was freed).
 
     Args:
         snap: the step to draw, or None before the first step.
@@ -250,12 +275,13 @@ def block_map_figure(
     if snap is not None:
         owners, tokens, refcount, reuses = snap.block_owners(), snap.block_tokens, snap.block_refcount, snap.block_reuses
         cached, hit_blocks = snap.cached_blocks, snap.cache_hit_blocks
+        origins, taken_now = snap.block_origins, {t.block_id for t in snap.block_takes}
     else:
         owners, tokens, refcount, reuses = [[]] * n, [0] * n, [0] * n, [0] * n
-        cached, hit_blocks = frozenset(), frozenset()
+        cached, hit_blocks, origins, taken_now = frozenset(), frozenset(), {}, set()
     z = [[None] * cols for _ in range(rows)]
-    cd = [[(-1, "", 0, 0, 0)] * cols for _ in range(rows)]
-    reused, shared, hits = ([], []), ([], []), ([], [])
+    cd = [[(-1, "", 0, 0, 0, "")] * cols for _ in range(rows)]
+    reused, shared, hits, taken = ([], []), ([], []), ([], []), ([], [])
     for b in range(n):
         r, c = divmod(b, cols)
         own = owners[b]
@@ -268,17 +294,19 @@ def block_map_figure(
                 shared[0].append(c), shared[1].append(r)
             if b in hit_blocks:
                 hits[0].append(c), hits[1].append(r)
+            if b in taken_now:
+                taken[0].append(c - 0.3), taken[1].append(r)
         elif b in cached:
             z[r][c] = CACHED_CODE
             state = L["cached"]
         else:
             z[r][c] = FREE_CODE
             state = L["free"]
-        cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b])
+        cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b], origin_text(origins.get(b), L) if own else "")
     outside = [(c, rows - 1) for c in range(n - (rows - 1) * cols, cols)]
     hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
              f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
-             f"{L['reused']}: %{{customdata[4]}}<extra></extra>")
+             f"{L['reused']}: %{{customdata[4]}}<br>%{{customdata[5]}}<extra></extra>")
     fig.add_trace(go.Heatmap(
         z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE, showscale=False, xgap=1, ygap=1,
         hoverongaps=False, name="blocks", **ZRANGE,
@@ -302,6 +330,10 @@ def block_map_figure(
         showlegend=bool(outside), hovertemplate=f"{L['outside']}<extra></extra>",
         marker={"symbol": "x-thin", "size": 7, "color": OUTSIDE_MARK_COLOR,
                 "line": {"color": OUTSIDE_MARK_COLOR, "width": 1}},
+    ))
+    fig.add_trace(go.Scatter(
+        x=taken[0], y=taken[1], mode="markers", name=L["taken_marker"], hoverinfo="skip", cliponaxis=False,
+        marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
     ))
     fig.update_layout(
         height=height, margin={"l": 40, "r": 10, "t": 34, "b": 30}, plot_bgcolor=GRID_COLOR,

@@ -135,6 +135,9 @@ FIGURE_LABELS = {
         "reused_marker": "재사용된 블록", "running": "실행 중", "waiting": "대기 중", "kv": "KV 사용률 %",
         "prefill": "프리필", "decode": "디코드", "idle": "유휴 (점유)",
         "outside": "풀 밖", "mine": "내 요청", "cache_hit_tokens": "프리픽스 캐시 적중 토큰",
+        "taken_marker": "이번 스텝에 받은 블록", "taken_at": "스텝 {step}에 받음", "origin_new": "처음 쓰는 블록",
+        "origin_reused": "{owner}의 블록이었음, 스텝 {freed}에 해제", "origin_own": "다시 자기 블록, 스텝 {freed}에 해제",
+        "origin_cached": "{owner}의 캐시된 프리픽스, 스텝 {freed}에 해제", "origin_shared": "{owner}와 공유",
     },
 }
 
