@@ -442,8 +442,18 @@ class EngineCore:
         ))
 
     def _record_finished(self, finished: list[Request], now: float) -> None:
+        """Latency records of finished requests; time the engine was held by a pause is left out of TTFT,
+        TPOT and e2e (it measures the presenter, not the engine)."""
+        held = self.telemetry.held_time
         for r in finished:
+            end = r.finish_time or now
+            ttft, tpot = r.ttft, r.tpot
+            if ttft is not None:
+                ttft = max(0.0, ttft - held(r.arrival_time, r.first_token_time, now))
+            if tpot is not None:
+                n = len(r.output_token_ids) - 1
+                tpot = max(0.0, tpot - held(r.first_token_time, r.finish_time, now) / n)
             self.telemetry.record_finished(
-                FinishedRequestStats(r.request_id, r.ttft, r.tpot, (r.finish_time or now) - r.arrival_time,
+                FinishedRequestStats(r.request_id, ttft, tpot, max(0.0, end - r.arrival_time - held(r.arrival_time, end, now)),
                                      r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)
             )
