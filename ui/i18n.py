@@ -72,6 +72,7 @@ EN = {
     "how_title": "How it works", "how": HOW_EN, "engine": "Engine",
     "pause": "‖ Pause", "resume": "▶ Resume", "step": "▶| Step", "slow_motion": "Slow motion (min. seconds per step)",
     "look_back": "Look back (steps before the newest; 0 = live)",
+    "next_handover": "⏭ Next hand-over", "next_reuse": "⏭ Next block reuse",
     "cmp_note": "Two fresh engines on the loaded model run the same requests: **static** batching (the next batch "
                 "starts when the whole batch is done), then **continuous** (a freed slot is refilled at the next "
                 "step). Rows: batch slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by "
@@ -107,6 +108,7 @@ KO = {
     "how_title": "어떻게 동작하나요?", "how": HOW_KO, "engine": "엔진",
     "pause": "‖ 일시 정지", "resume": "▶ 계속", "step": "▶| 한 스텝", "slow_motion": "슬로 모션 (스텝당 최소 초)",
     "look_back": "되돌아보기 (최신 스텝에서 몇 스텝 전; 0 = 실시간)",
+    "next_handover": "⏭ 다음 슬롯 인계", "next_reuse": "⏭ 다음 블록 재사용",
     "cmp_note": "불러온 모델 위의 새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 "
                 "배치 시작), 이어서 **연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: "
                 "요청이 슬롯을 받음, 회색: 끝난 요청이 자리만 차지한 슬롯. 내 채팅에는 영향이 없습니다.",
@@ -212,8 +214,20 @@ def state_text(lang: str, key: str, **values) -> str:
 PACE_TEXTS = {
     "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
            "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
-           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live"},
+           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live",
+           "seeking_handover": " · running to the next hand-over (a slot changes owner)…",
+           "seeking_reuse": " · running to the next block reuse (a freed block taken by another request)…",
+           "found_handover": " · **hand-over**: slot {slot} from {prev} to {new}",
+           "found_reused": " · **block reuse**: block {block} was {prev}'s (freed at step {freed}), now {new}'s",
+           "found_cached": " · **block reuse**: block {block}, {prev}'s cached prefix (freed at step {freed}), now {new}'s",
+           "not_found_handover": " · no hand-over in the steps run", "not_found_reuse": " · no block reuse in the steps run"},
     "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
            "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
-           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다"},
+           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다",
+           "seeking_handover": " · 다음 슬롯 인계(슬롯 주인이 바뀜)까지 실행 중…",
+           "seeking_reuse": " · 다음 블록 재사용(해제된 블록을 다른 요청이 받음)까지 실행 중…",
+           "found_handover": " · **슬롯 인계**: 슬롯 {slot}, {prev} → {new}",
+           "found_reused": " · **블록 재사용**: 블록 {block}, {prev}의 블록(스텝 {freed}에 해제) → {new}",
+           "found_cached": " · **블록 재사용**: 블록 {block}, {prev}의 캐시된 프리픽스(스텝 {freed}에 해제) → {new}",
+           "not_found_handover": " · 실행한 스텝에서 슬롯 인계 없음", "not_found_reuse": " · 실행한 스텝에서 블록 재사용 없음"},
 }

@@ -11,6 +11,7 @@ from typing import Any
 
 import gradio as gr
 
+from ui import talk
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
 from ui.i18n import I18N, PACE_TEXTS, language, state_text, t
@@ -42,6 +43,7 @@ def pacing_line(engine: Any, snaps_key: tuple | None, lang: str) -> str:
         line = L["paused"].format(step=step)
     else:
         line = L["running"].format(step=step)
+    line += talk.seek_text(engine, lang)
     slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
     if slow > 0:
         line += L["slow"].format(s=slow)
@@ -81,7 +83,8 @@ def build_app(
 
     API endpoints: ``/chat`` (message, history, temperature, top_p, max_new_tokens, seed -> history,
     textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``, ``/pause``,
-    ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no host key is set.
+    ``/resume``, ``/step``, ``/slow_motion`` (seconds per step), ``/next_handover`` and ``/next_block_reuse``
+    (run until a slot or a KV block changes hands, then pause); the pacing ones only when no host key is set.
     """
     cfg = getattr(engine, "config", None)
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
@@ -158,9 +161,23 @@ def build_app(
         engine.set_min_step_time(float(seconds))
         return pace_now(request)
 
+    async def next_handover(is_host: bool, request: gr.Request):
+        """Run to the next hand-over of a batch slot; answers once paused there (at most 10 s)."""
+        if not allowed(is_host, request):
+            return gr.skip()
+        await talk.run_to(engine, "handover")
+        return pace_now(request)
+
+    async def next_reuse(is_host: bool, request: gr.Request):
+        """Run to the next reuse of a freed KV block by another request; answers once paused there."""
+        if not allowed(is_host, request):
+            return gr.skip()
+        await talk.run_to(engine, "reuse")
+        return pace_now(request)
+
     def on_load(given_key: str):
         host = is_host_page(host_key, given_key)
-        return (host, *(gr.update(interactive=host) for _ in range(6)))
+        return (host, *(gr.update(interactive=host) for _ in range(8)))
 
     def pin_timeline(back: float):
         latest = engine.telemetry.latest()
@@ -203,6 +220,8 @@ def build_app(
                         pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
                         resume_btn = gr.Button(t("resume"), size="sm", min_width=80, elem_id="resume")
                         step_btn = gr.Button(t("step"), size="sm", min_width=80, elem_id="step")
+                        handover_btn = gr.Button(t("next_handover"), size="sm", min_width=80, elem_id="next-handover")
+                        reuse_btn = gr.Button(t("next_reuse"), size="sm", min_width=80, elem_id="next-reuse")
                         slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=3,
                                          elem_id="slow-motion")
                     pace_md = gr.Markdown(elem_id="pace-status")
@@ -242,7 +261,8 @@ def build_app(
         refresh_inputs = [window_steps, seen, mine, pin]
         timer.tick(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
         demo.load(refresh, refresh_inputs, panel_outputs, concurrency_limit=None, api_visibility="private")
-        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn],
+        demo.load(on_load, given_key, [is_host, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn,
+                                       handover_btn, reuse_btn],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
         live.change(lambda on: gr.Timer(active=bool(on)), live, timer, api_visibility="private")
@@ -268,6 +288,10 @@ def build_app(
         resume_btn.click(resume, is_host, pace_md, api_name="resume", api_visibility=pacing_api)
         step_btn.click(step_once, is_host, pace_md, api_name="step", api_visibility=pacing_api,
                        trigger_mode="multiple", concurrency_limit=None)
+        handover_btn.click(next_handover, is_host, pace_md, api_name="next_handover", api_visibility=pacing_api,
+                           concurrency_limit=None)
+        reuse_btn.click(next_reuse, is_host, pace_md, api_name="next_block_reuse", api_visibility=pacing_api,
+                        concurrency_limit=None)
         slow.change(slow_motion, [slow, is_host], pace_md, api_name="slow_motion", api_visibility=pacing_api)
         demo.unload(chat.unload)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
