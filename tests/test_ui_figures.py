@@ -165,7 +165,8 @@ def test_panels_rebuild_only_on_new_steps_and_skip_unchanged():
 # --------------------------------------------------------------------------- palette: distances in CIELAB
 # Threshold: CIEDE2000 >= 15 between any two colours a viewer must tell apart. (CIEDE2000 ~ 1 is a
 # just-noticeable difference side by side; ~10 is "clearly different", and small heatmap cells need more.)
-MIN_DE2000 = 15.0
+MIN_DE2000 = 16.5  # every distance the panels rely on (palette_distances)
+MIN_PAIR_DE2000 = 17.0  # two full request colours (was 16.9: purple and plum looked alike on a projector)
 
 
 def _rgb(color: str) -> tuple[float, float, float]:
@@ -250,6 +251,8 @@ def test_palette_has_16_named_colours_far_apart():
         assert len(names) == F.K and len(set(names)) == F.K and all(names)
     worst = min(palette_distances(list(F.PALETTE)))
     assert worst[0] >= MIN_DE2000, worst
+    pairs = [(de2000(a, b), a, b) for i, a in enumerate(F.PALETTE) for b in F.PALETTE[i + 1:]]
+    assert min(pairs)[0] >= MIN_PAIR_DE2000, min(pairs)
 
 
 def test_color_names():
@@ -280,11 +283,11 @@ def test_occupancy_before_the_first_step_shows_the_empty_slots():
     heat = fig.data[0]
     assert list(heat.y) == list(range(16)) and all(v is None for row in heat.z for v in row)
     assert list(fig.layout.yaxis.range) == [15.5, -0.5] and fig.layout.yaxis.dtick == 1
-    assert list(fig.layout.xaxis.range) == [0.5, 96.5]
+    assert list(fig.layout.xaxis.range) == [0.5, 48.5]
     assert list(F.occupancy_figure([], num_slots=4, window=32).layout.xaxis.range) == [0.5, 32.5]
     bare = F.occupancy_figure([])  # nothing known: an empty box, never slot -1
     assert list(bare.layout.yaxis.range) == [0.5, -0.5] and list(bare.layout.yaxis.tickvals) == []
-    assert list(bare.layout.xaxis.range) == [0.5, 96.5]
+    assert list(bare.layout.xaxis.range) == [0.5, 48.5]
 
 
 def test_occupancy_window_keeps_the_step_axis_width():
@@ -494,3 +497,36 @@ def test_block_map_marks_blocks_taken_this_step_and_hover_says_whose_they_were()
     assert ko.data[6].name == "이번 스텝에 받은 블록"
     assert [c[5] for row in ko.data[0].customdata for c in row][2] == "스텝 3에 받음 · B의 블록이었음, 스텝 2에 해제"
     assert len(F.block_map_figure(SEQ[0], columns=4).data[6].x) == 0  # no takes recorded: no marks
+
+
+# --------------------------------------------------------------------------- a projector at 1366x768
+# The occupancy figure at 1366x768 (Chromium, fill_width page): the panel column is 3/5 of the row, about
+# 780 px, the plot inside it about 770 px wide; the margins leave the plot area.
+OCCUPANCY_FIGURE_WIDTH_1366 = 770
+
+
+def test_default_window_gives_cells_a_projector_shows_and_the_last_marker_is_not_clipped():
+    import inspect
+
+    from ui.layout import build_app
+
+    assert inspect.signature(build_app).parameters["window"].default == F.DEFAULT_WINDOW
+    fig = F.occupancy_figure(SEQ, window=F.DEFAULT_WINDOW)
+    area = OCCUPANCY_FIGURE_WIDTH_1366 - fig.layout.margin.l - fig.layout.margin.r
+    lo, hi = fig.layout.xaxis.range
+    assert area / (hi - lo) >= 14  # pixels per step
+    admitted = fig.data[1]
+    assert admitted.cliponaxis is False and admitted.marker.size + 2 * admitted.marker.line.width <= 14
+
+
+def test_the_axis_title_never_covers_the_legend():
+    from ui.i18n import figure_labels
+
+    for lang in ("en", "ko"):
+        fig = F.occupancy_figure(SEQ, labels=figure_labels(lang), window=48)
+        legend, xaxis, margin = fig.layout.legend, fig.layout.xaxis, fig.layout.margin
+        assert (legend.yref, legend.y, legend.yanchor, legend.orientation) == ("container", 0, "bottom", "h")
+        # below the plot area: tick labels (about 18 px), the title's standoff and its line, then the legend
+        title_bottom = 18 + xaxis.title.standoff + 1.4 * xaxis.title.font.size
+        assert margin.b - F.LEGEND_LINE_PX >= title_bottom + 4, lang
+        assert xaxis.title.text == figure_labels(lang)["step"]

@@ -73,7 +73,10 @@ def origin_text(take, labels: Mapping[str, str] | None = None) -> str:
     return f"{L['taken_at'].format(step=take.step)} · {how}"
 
 
-DEFAULT_WINDOW = 96  # steps on the occupancy x axis before the first step (the panel's default window)
+DEFAULT_WINDOW = 48  # steps on the occupancy x axis: at 1366x768 the panel's plot area is about 700 px wide,
+# so a cell is about 14.5 px, wide enough for the ▷ of a hand-over to read on a projector (96 gave 7 px)
+OCCUPANCY_MARGIN = {"l": 50, "r": 12, "t": 34, "b": 66}  # pixels; "b" holds tick labels, axis title and legend
+LEGEND_LINE_PX = 22  # height of one line of a horizontal legend (12 px font)
 
 
 
@@ -143,16 +146,18 @@ def occupancy_figure(
     ))
     fig.add_trace(go.Scatter(
         x=adm_x, y=adm_y, mode="markers", name=L["admitted"], text=adm_text, hovertemplate="%{text}<extra></extra>",
-        marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
+        cliponaxis=False, marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
     ))
     for name, col in ((L["prefill"], light_shade(PALETTE[0])), (L["decode"], PALETTE[0]), (L["idle"], IDLE_COLOR)):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker={"symbol": "square", "size": 10, "color": col}, hoverinfo="skip"))
     fig.update_layout(
-        height=height, margin={"l": 50, "r": 10, "t": 34, "b": 40}, plot_bgcolor="white",
-        legend={"orientation": "h", "y": -0.18, "x": 0}, uirevision="occupancy",
+        height=height, margin=dict(OCCUPANCY_MARGIN), plot_bgcolor="white", uirevision="occupancy",
+        # the legend sits at the figure's bottom edge, under the axis title (never over it)
+        legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0},
     )
-    fig.update_xaxes(title_text=L["step"], showgrid=False, zeroline=False, range=_step_range(steps, window))
+    fig.update_xaxes(title_text=L["step"], title_standoff=2, title_font_size=12, showgrid=False, zeroline=False,
+                     range=_step_range(steps, window))
     if n_slots:
         fig.update_yaxes(range=[n_slots - 0.5, -0.5], dtick=1 if n_slots <= 16 else None)
     else:  # nothing known about the batch: an empty box, no invented slot numbers

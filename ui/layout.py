@@ -65,7 +65,7 @@ def build_app(
     *,
     model_name: str | None = None,
     refresh_s: float = 0.5,
-    window: int = 96,
+    window: int = 48,
     max_builds_per_s: float = 2.0,
     host_key: str | None = None,
 ) -> gr.Blocks:
@@ -76,7 +76,8 @@ def build_app(
             pacing methods (``pause``, ``resume``, ``step_once``, ``set_min_step_time``).
         model_name: shown in the header (default: ``engine.config.model`` or the embedded model).
         refresh_s: panel refresh period of each tab's ``gr.Timer`` (seconds).
-        window: default number of engine steps shown in the occupancy and rates panels.
+        window: default number of engine steps shown in the occupancy and rates panels (48: cells of about 14 px
+            at 1366x768, see ``ui.figures.DEFAULT_WINDOW``).
         max_builds_per_s: most figure rebuilds per second for the whole process (``asyncio-throttle``).
         host_key: when set, only a page opened with ``?host=<host_key>`` may pause, step or slow the engine
             (a shared demo, e.g. a Space); None or "" lets every page do it.

@@ -32,7 +32,7 @@ _NAMED_COLORS: tuple[tuple[str, str, str], ...] = (
     ("#B861F6", "violet", "연보라"),
     ("#4CA1D5", "sky blue", "하늘색"),
     ("#226509", "dark green", "진초록"),
-    ("#903770", "plum", "자두색"),
+    ("#886611", "ochre", "황토색"),  # was plum #903770: beside purple it looked the same on a projector
 )
 PALETTE: tuple[str, ...] = tuple(c for c, _, _ in _NAMED_COLORS)  # request colours (hex), 16
 PALETTE_NAMES: dict[str, tuple[str, ...]] = {
