@@ -530,3 +530,27 @@ def test_the_axis_title_never_covers_the_legend():
         title_bottom = 18 + xaxis.title.standoff + 1.4 * xaxis.title.font.size
         assert margin.b - F.LEGEND_LINE_PX >= title_bottom + 4, lang
         assert xaxis.title.text == figure_labels(lang)["step"]
+
+
+# --------------------------------------------------------------------------- the Korean page
+def test_counters_header_and_latencies_in_korean_and_seconds_past_10_s():
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from ui.i18n import figure_labels
+    from ui.layout import engine_summary
+
+    stats = {"generated_tokens": 6458, "steps": 2039, "preemptions": 0, "prefix_hit_rate_window": 0.81,
+             "prefill_tokens_saved_window": 96, "prefix_window_steps": 64, "ttft_p50": 0.2504, "ttft_p90": 367.708,
+             "tpot_p50": 9.99, "tpot_p90": 10.0}
+    en, ko = F.counter_values(stats), F.counter_values(stats, figure_labels("ko"))
+    assert en["totals"] == "6458 tok · 2039 steps · 0 preempt."
+    assert ko["totals"] == "6458 토큰 · 2039 스텝 · 선점 0회"
+    assert ko["prefix_cache"] == "적중 81% · 96 토큰 절약 (최근 64 스텝)"
+    assert en["ttft"] == "250 ms / 367.7 s" and en["tpot"] == "9990 ms / 10.0 s"
+    eng = SimpleNamespace(config=EngineConfig(num_blocks=96, max_num_seqs=4, max_model_len=1536))
+    assert engine_summary(eng) == ("`SmolLM2-135M-Instruct (embedded)` · **4** slots · **96** KV blocks × **16** tokens"
+                                   " · policy `continuous` · free blocks `lru` · context 1536 tokens")
+    ko_line = engine_summary(eng, lang="ko")
+    assert "슬롯 **4**개" in ko_line and "KV 블록 **96**개" in ko_line and "정책 `continuous`" in ko_line
+    assert "컨텍스트 1536 토큰" in ko_line and "slots" not in ko_line

@@ -50,6 +50,8 @@ LABELS_EN = {
     "taken_marker": "taken this step", "taken_at": "taken at step {step}", "origin_new": "never used before",
     "origin_reused": "was {owner}'s, freed at step {freed}", "origin_own": "its own again, freed at step {freed}",
     "origin_cached": "cached prefix of {owner}, freed at step {freed}", "origin_shared": "shared with {owner}",
+    "totals_fmt": "{tok} tok · {steps} steps · {preempt} preempt.",
+    "prefix_fmt": "{rate}% hit · {saved} tok saved", "prefix_window_fmt": " (last {steps} steps)",
 }
 
 
@@ -413,12 +415,20 @@ def rates_figure(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | 
     return fig
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+def latency_text(seconds: float | None) -> str:
+    """A latency for the counters: ``"123 ms"`` below 10 s, ``"12.3 s"`` from 10 s on, ``"-"`` for None."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
-    """Formatted counters from :meth:`Telemetry.stats` (units are universal, so no translation)."""
+_ms = latency_text
+
+
+def counter_values(stats: Mapping[str, object], labels: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Formatted counters from :meth:`Telemetry.stats`; the totals and the prefix-cache line in the language
+    of ``labels`` (keys of :data:`LABELS_EN`; English by default). Latencies: see :func:`latency_text`."""
+    L = {**LABELS_EN, **(labels or {})}
     return {
         "running": str(stats.get("running", 0)),
         "waiting": str(stats.get("waiting", 0)),
@@ -426,22 +436,22 @@ def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
         "tokens_per_s": f"{float(stats.get('tokens_per_s', 0.0)):.1f} tok/s",
         "ttft": f"{_ms(stats.get('ttft_p50'))} / {_ms(stats.get('ttft_p90'))}",
         "tpot": f"{_ms(stats.get('tpot_p50'))} / {_ms(stats.get('tpot_p90'))}",
-        "totals": f"{stats.get('generated_tokens', 0)} tok · {stats.get('steps', 0)} steps · "
-                  f"{stats.get('preemptions', 0)} preempt.",
-        "prefix_cache": _hit_rate(stats),
+        "totals": L["totals_fmt"].format(tok=stats.get("generated_tokens", 0), steps=stats.get("steps", 0),
+                                         preempt=stats.get("preemptions", 0)),
+        "prefix_cache": _hit_rate(stats, L),
     }
 
 
-def _hit_rate(stats: Mapping[str, object]) -> str:
+def _hit_rate(stats: Mapping[str, object], L: Mapping[str, str] = LABELS_EN) -> str:
     """The prefix-cache counter: over the last steps (``prefix_hit_rate_window``) when the stats have it,
     else since the start; "-" when no prompt was looked up."""
     if "prefix_hit_rate_window" in stats:
         rate = stats["prefix_hit_rate_window"]
         if rate is None:
             return "-"
-        return (f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved_window', 0)} tok saved "
-                f"(last {stats.get('prefix_window_steps', '?')} steps)")
+        return (L["prefix_fmt"].format(rate=f"{100 * float(rate):.0f}", saved=stats.get("prefill_tokens_saved_window", 0))
+                + L["prefix_window_fmt"].format(steps=stats.get("prefix_window_steps", "?")))
     rate = stats.get("prefix_hit_rate")
     if rate is None:
         return "-"
-    return f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved', 0)} tok saved"
+    return L["prefix_fmt"].format(rate=f"{100 * float(rate):.0f}", saved=stats.get("prefill_tokens_saved", 0))

@@ -140,6 +140,8 @@ FIGURE_LABELS = {
         "taken_marker": "이번 스텝에 받은 블록", "taken_at": "스텝 {step}에 받음", "origin_new": "처음 쓰는 블록",
         "origin_reused": "{owner}의 블록이었음, 스텝 {freed}에 해제", "origin_own": "다시 자기 블록, 스텝 {freed}에 해제",
         "origin_cached": "{owner}의 캐시된 프리픽스, 스텝 {freed}에 해제", "origin_shared": "{owner}와 공유",
+        "totals_fmt": "{tok} 토큰 · {steps} 스텝 · 선점 {preempt}회",
+        "prefix_fmt": "적중 {rate}% · {saved} 토큰 절약", "prefix_window_fmt": " (최근 {steps} 스텝)",
     },
 }
 
@@ -231,3 +233,13 @@ PACE_TEXTS = {
            "found_cached": " · **블록 재사용**: 블록 {block}, {prev}의 캐시된 프리픽스(스텝 {freed}에 해제) → {new}",
            "not_found_handover": " · 실행한 스텝에서 슬롯 인계 없음", "not_found_reuse": " · 실행한 스텝에서 블록 재사용 없음"},
 }
+
+
+# The header line under the title (server-side: the page is built once, the language is the request's).
+SUMMARY_TEXTS = {
+    "en": "`{model}` · **{slots}** slots · **{blocks}** KV blocks × **{block_size}** tokens · policy `{policy}` · "
+          "free blocks `{order}` · context {context} tokens",
+    "ko": "`{model}` · 슬롯 **{slots}**개 · KV 블록 **{blocks}**개 × 블록당 토큰 **{block_size}**개 · 정책 `{policy}` · "
+          "빈 블록 순서 `{order}` · 컨텍스트 {context} 토큰",
+}
+EMBEDDED_MODEL = {"en": "SmolLM2-135M-Instruct (embedded)", "ko": "SmolLM2-135M-Instruct (내장)"}

@@ -14,7 +14,7 @@ import gradio as gr
 from ui import talk
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
-from ui.i18n import I18N, PACE_TEXTS, language, state_text, t
+from ui.i18n import EMBEDDED_MODEL, I18N, PACE_TEXTS, SUMMARY_TEXTS, language, state_text, t
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, Panels
 
@@ -24,13 +24,15 @@ CSS = """
 """
 
 
-def engine_summary(engine: Any, model_name: str | None = None) -> str:
-    """One Markdown line describing the engine's configuration (model, slots, blocks, policy)."""
+def engine_summary(engine: Any, model_name: str | None = None, lang: str = "en") -> str:
+    """One Markdown line describing the engine's configuration (model, slots, blocks, policy, free-block
+    order, context) in ``lang`` (``"en"`` or ``"ko"``; English when unknown)."""
     cfg = getattr(engine, "config", None)
     get = lambda name, default="?": getattr(cfg, name, default)  # noqa: E731
-    model = model_name or get("model", None) or "SmolLM2-135M-Instruct (embedded)"
-    return (f"`{model}` · **{get('max_num_seqs')}** slots · **{get('num_blocks')}** KV blocks × "
-            f"**{get('block_size')}** tokens · policy `{get('policy')}` · context {get('max_model_len')} tokens")
+    model = model_name or get("model", None) or EMBEDDED_MODEL.get(lang, EMBEDDED_MODEL["en"])
+    return SUMMARY_TEXTS.get(lang, SUMMARY_TEXTS["en"]).format(
+        model=model, slots=get("max_num_seqs"), blocks=get("num_blocks"), block_size=get("block_size"),
+        policy=get("policy"), order=get("free_block_order", "lru"), context=get("max_model_len"))
 
 
 def pacing_line(engine: Any, snaps_key: tuple | None, lang: str) -> str:
@@ -176,6 +178,9 @@ def build_app(
         await talk.run_to(engine, "reuse")
         return pace_now(request)
 
+    def summary(request: gr.Request) -> str:
+        return engine_summary(engine, model_name, lang_of(request))
+
     def on_load(given_key: str):
         host = is_host_page(host_key, given_key)
         return (host, *(gr.update(interactive=host) for _ in range(8)))
@@ -190,7 +195,7 @@ def build_app(
     with gr.Blocks(title="Continuous Batching Playground", fill_width=True) as demo:
         gr.Markdown(t("title"))
         gr.Markdown(t("subtitle"))
-        gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
+        summary_md = gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
         with gr.Tab(t("tab_playground"), id="playground"):
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=360):
@@ -266,6 +271,7 @@ def build_app(
                                        handover_btn, reuse_btn],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
+        demo.load(summary, None, summary_md, api_visibility="private", queue=False)  # in the page's language
         live.change(lambda on: gr.Timer(active=bool(on)), live, timer, api_visibility="private")
         look_back.change(pin_timeline, look_back, pin, api_visibility="private", queue=False)
 

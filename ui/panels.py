@@ -135,9 +135,9 @@ class Panels:
                 self._mine.pop(next(iter(self._mine)))
         return cached
 
-    def counters(self) -> tuple[str, ...]:
-        """Counter strings in :data:`COUNTER_KEYS` order, from ``telemetry.stats()``."""
-        values = figures.counter_values(self.telemetry.stats())
+    def counters(self, lang: str = "en") -> tuple[str, ...]:
+        """Counter strings in :data:`COUNTER_KEYS` order, from ``telemetry.stats()``, in ``lang``."""
+        values = figures.counter_values(self.telemetry.stats(), figure_labels(lang))
         return tuple(values[k] for k in COUNTER_KEYS)
 
     async def refresh(self, window: float, seen: tuple | None, lang: str, mine: str | None = None,
@@ -158,4 +158,4 @@ class Panels:
                 plots = (*outlined, plots[2])
                 key = (*key, mine)
         out_plots = (gr.skip(),) * 3 if seen is not None and tuple(seen) == key else plots
-        return (*out_plots, *self.counters(), key)
+        return (*out_plots, *self.counters(lang), key)
