@@ -554,3 +554,27 @@ def test_counters_header_and_latencies_in_korean_and_seconds_past_10_s():
     ko_line = engine_summary(eng, lang="ko")
     assert "슬롯 **4**개" in ko_line and "KV 블록 **96**개" in ko_line and "정책 `continuous`" in ko_line
     assert "컨텍스트 1536 토큰" in ko_line and "slots" not in ko_line
+
+
+def test_a_request_gets_its_colour_before_it_is_drawn_and_keeps_it():
+    """A chat's status line names its colour while the request still waits (queued), and the same colour
+    when it is drawn and when it has finished; other requests never take a reserved colour meanwhile."""
+    ca = F.ColorAssigner()
+    on_screen = ca.update(SEQ[:1])  # A and B
+    queued = ca.reserve("Q")
+    assert queued not in on_screen.values() and ca.reserve("Q") == queued and ca.index_of("Q") == queued
+    many = [snap(2, [(f"r{i}", PHASE_DECODE, 1, 1) for i in range(F.K - 1)], {})]
+    assert queued not in ca.update(many).values()  # 15 new requests: none takes Q's colour
+    drawn = [snap(3, [("Q", PHASE_PREFILL, 4, 4)], {"Q": [0]})]
+    assert ca.update(drawn)["Q"] == queued
+    ca.update([snap(4, [None], {})])  # Q finished: no longer drawn, still named
+    assert ca.index_of("Q") == queued
+
+
+def test_panels_name_a_queued_requests_colour_when_asked_to_reserve_it():
+    from ui.panels import Panels
+
+    panels = Panels(Telemetry())
+    assert panels.color_name("chat-1", "en") is None
+    name = panels.color_name("chat-1", "ko", reserve=True)
+    assert name in F.PALETTE_NAMES["ko"] and panels.color_name("chat-1", "ko") == name

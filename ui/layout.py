@@ -92,7 +92,8 @@ def build_app(
     cfg = getattr(engine, "config", None)
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
                     num_slots=getattr(cfg, "max_num_seqs", None), num_blocks=getattr(cfg, "num_blocks", None))
-    chat = ChatHandlers(engine, describe=panels.color_name)
+    # every status line names the colour, queued ones too: a chat's request gets its colour when sent
+    chat = ChatHandlers(engine, describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
     loadgen = LoadGenerator(engine)
     capacity = int(getattr(engine.telemetry, "capacity", 512))
 

@@ -114,9 +114,10 @@ class Panels:
                     self._cache.pop(next(iter(self._cache)))
             return cached
 
-    def color_name(self, request_id: str, lang: str = "en") -> str | None:
-        """The name of ``request_id``'s colour in the panels (None until it has been drawn)."""
-        index = self.colors.index_of(request_id)
+    def color_name(self, request_id: str, lang: str = "en", reserve: bool = False) -> str | None:
+        """The name of ``request_id``'s colour in the panels (None until it has been drawn, unless ``reserve``:
+        then a request not drawn yet, e.g. queued, is given its colour now)."""
+        index = self.colors.reserve(request_id) if reserve else self.colors.index_of(request_id)
         return None if index is None else figures.color_name(index, lang)
 
     async def _outlined(self, key: tuple, snaps: list, plots: tuple, mine: str, lang: str):
