@@ -21,14 +21,16 @@ physical block, in the colour of the request whose block table holds it; white =
 but still holding a cached prefix that a new request with the same beginning can reuse; × = past the end of \
 the pool. Your own request is outlined in both panels. A dot marks a block \
 that had served another request before: memory is recycled block by block, nothing is reserved per request, \
-so at most one partly filled block per request is wasted.
+so at most one partly filled block per request is wasted. ▷ marks the blocks taken in the step shown; hover \
+says whose a block was and when it was freed.
 
 **Counters.** Running and waiting requests, share of blocks in use, generated tokens per second (last 5 s), \
 time to first token and time per output token (median / 90th percentile of finished requests), prefix-cache \
 hits over the last 64 steps.
 
 **Talk mode.** ‖ Pause holds the engine between two steps (messages queue, streams wait), ▶| Step runs exactly \
-one step, slow motion makes each step last at least that long, and Look back pins the panels at an earlier step. \
+one step, ⏭ Next hand-over / Next block reuse run until a slot or a block changes hands and pause there, slow \
+motion makes each step last at least that long, and Look back pins the panels at an earlier step. \
 Each reply's status line says where its request is: queued, prefilling, decoding, preempted, finished.
 """
 
@@ -43,13 +45,15 @@ HOW_KO = """\
 그 블록을 블록 테이블에 가진 요청의 색으로 칠해집니다. 흰색 = 비어 있음, 옅은 청회색 = 비어 있지만 같은 앞부분을 \
 가진 새 요청이 재사용할 수 있는 프리픽스가 캐시되어 있음, × = 풀 바깥. 내 요청은 두 패널에서 테두리로 표시됩니다. \
 점은 전에 다른 요청이 쓰던 블록이라는 표시입니다. \
-메모리는 블록 단위로 재활용되고 요청마다 미리 잡아 두지 않으므로, 낭비는 요청당 덜 찬 블록 하나뿐입니다.
+메모리는 블록 단위로 재활용되고 요청마다 미리 잡아 두지 않으므로, 낭비는 요청당 덜 찬 블록 하나뿐입니다. \
+▷ 표시는 보고 있는 스텝에 요청이 받은 블록이며, 마우스를 올리면 전에 누구의 블록이었고 언제 해제되었는지 나옵니다.
 
 **카운터.** 실행 중/대기 중 요청 수, 사용 중인 블록 비율, 초당 생성 토큰(최근 5초), 첫 토큰까지 시간과 출력 \
 토큰당 시간(끝난 요청의 중앙값 / 90번째 백분위), 최근 64스텝의 프리픽스 캐시 적중.
 
 **발표 모드.** ‖ 일시 정지는 두 스텝 사이에서 엔진을 멈추고(메시지는 대기, 스트림은 멈춤), ▶| 한 스텝은 정확히 \
-한 스텝만 실행하며, 슬로 모션은 스텝마다 최소 시간을 두고, 되돌아보기는 패널을 이전 스텝에 고정합니다. 각 답변의 \
+한 스텝만 실행하며, ⏭ 다음 슬롯 인계 / 다음 블록 재사용은 슬롯이나 블록의 주인이 바뀔 때까지 실행한 뒤 \
+그 스텝에서 멈추고, 슬로 모션은 스텝마다 최소 시간을 두고, 되돌아보기는 패널을 이전 스텝에 고정합니다. 각 답변의 \
 상태 줄은 요청이 어디에 있는지(대기, 프리필, 디코딩, 선점, 완료) 알려 줍니다.
 """
 
