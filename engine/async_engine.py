@@ -5,7 +5,10 @@ Outputs reach each caller's ``asyncio.Queue`` through ``loop.call_soon_threadsaf
 
 Pacing (for talks): :meth:`AsyncEngine.pause` stops stepping (requests queue, streams wait; aborts
 still free their blocks), :meth:`AsyncEngine.step_once` runs exactly one step while paused, and
-:meth:`AsyncEngine.set_min_step_time` slows every step down to a minimum wall time.
+:meth:`AsyncEngine.set_min_step_time` slows every step down to a minimum wall time, and
+:meth:`AsyncEngine.run_until` runs until a condition on the telemetry holds (the next hand-over of a
+batch slot or a KV block, :mod:`engine.handover`), then pauses on that step. The time the engine is held
+is recorded in the telemetry (``Telemetry.held_time``), so TTFT and TPOT leave it out.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -52,6 +55,10 @@ class AsyncEngine:
         self._paused = False
         self._single_steps = 0  # steps granted by step_once() while paused
         self._min_step_time = 0.0  # seconds; slow motion when > 0
+        self._until: Callable | None = None  # run_until's condition while it runs
+        self._until_left = 0  # steps run_until may still run
+        self.until_condition: Callable | None = None  # the last run_until's condition (its ``found``)
+        self.until_met: bool | None = None  # whether it held (False: max_steps ran out or it was called off)
         if start:
             self.start()
 
@@ -115,18 +122,22 @@ class AsyncEngine:
             with self._lock:
                 may_step = not self._paused or self._single_steps > 0
             if not may_step:  # paused: no step runs, but new requests queue and aborts free their blocks
+                self.core.telemetry.set_held(True)
                 for out in self.core.process_inbox():
                     self._deliver(out)
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             if not self.core.has_unfinished_requests():
+                self.core.telemetry.set_held(False)
                 with self._lock:
                     self._single_steps = 0  # a single step with nothing to do is spent
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.core.telemetry.set_held(False)
             t0 = time.monotonic()
+            before = self.core.step_count
             try:
                 outputs = self.core.step()
             except Exception as e:  # outside the per-request guards: fail what is in flight, keep serving
@@ -135,9 +146,33 @@ class AsyncEngine:
             with self._lock:
                 if self._paused and self._single_steps > 0:
                     self._single_steps -= 1
+            if self.core.step_count != before:
+                self._check_until()
             for out in outputs:
                 self._deliver(out)
             self._slow_motion_wait(t0)
+
+    def _check_until(self) -> None:
+        """After a new step (stepping thread): evaluate run_until's condition; pause when it holds or its
+        step budget is spent."""
+        with self._lock:
+            cond = self._until
+        if cond is None:
+            return
+        snap = self.core.telemetry.latest()
+        try:
+            met = bool(cond(snap))
+        except Exception:  # a faulty condition stops the run, paused, instead of killing the thread
+            log.exception("run_until condition failed")
+            met = False
+            self._until_left = 0
+        self._until_left -= 1
+        if met or self._until_left <= 0:
+            with self._lock:
+                if self._until is cond:
+                    self._until, self._paused, self._single_steps = None, True, 0
+                    self.until_met = met
+            self.core.telemetry.paused = True
 
     def _slow_motion_wait(self, t0: float) -> None:
         """Slow motion: wait until the step that started at ``t0`` has lasted the minimum step time.
@@ -167,21 +202,62 @@ class AsyncEngine:
         """Slow motion: the least wall time of one step (seconds; 0 = full speed)."""
         return self._min_step_time
 
+    @property
+    def seeking(self) -> bool:
+        """True while :meth:`run_until` runs (its condition has not held yet)."""
+        return self._until is not None
+
+    def run_until(self, condition: Callable, max_steps: int = 5000) -> None:
+        """Run steps (at the set pace) until ``condition(snapshot)`` is true for a new step's telemetry
+        snapshot, then pause on that step, as :meth:`pause` does. Returns at once; :attr:`seeking` is True
+        until then, and :attr:`until_met` says how it ended. With no request to run, it waits for one.
+
+        Args:
+            condition: called on the stepping thread with each new :class:`engine.telemetry.StepSnapshot`,
+                oldest first (e.g. :class:`engine.handover.NextHandover`); it must be quick.
+            max_steps: steps it may run; when they are spent without the condition holding, the engine
+                pauses anyway and :attr:`until_met` is False.
+
+        :meth:`pause`, :meth:`resume` or another ``run_until`` call it off (:attr:`until_met` False).
+
+        Raises:
+            ValueError: ``max_steps`` < 1 or ``condition`` not callable.
+        """
+        if not callable(condition):
+            raise ValueError("condition must be callable")
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        with self._lock:
+            self._until, self._until_left = condition, max_steps
+            self.until_condition, self.until_met = condition, None
+            self._paused = False
+            self._single_steps = 0
+        self.core.telemetry.paused = False
+        self._wake.set()
+        self._pace.set()
+
+    def _call_off_until(self) -> None:
+        """Under ``self._lock``: end a running :meth:`run_until` unmet."""
+        if self._until is not None:
+            self._until, self.until_met = None, False
+
     def pause(self) -> None:
         """Stop running steps: requests queue, streams wait; aborts and disconnects still free their
-        blocks. Recorded in the telemetry (``telemetry.paused``)."""
+        blocks. Recorded in the telemetry (``telemetry.paused``). Calls off a :meth:`run_until`."""
         with self._lock:
             self._paused = True
             self._single_steps = 0
+            self._call_off_until()
         self.core.telemetry.paused = True
         self._wake.set()
         self._pace.set()
 
     def resume(self) -> None:
-        """Run steps again at the set pace."""
+        """Run steps again at the set pace (calls off a :meth:`run_until`)."""
         with self._lock:
             self._paused = False
             self._single_steps = 0
+            self._call_off_until()
         self.core.telemetry.paused = False
         self._wake.set()
         self._pace.set()

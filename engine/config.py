@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, fields
 
 POLICIES = ("continuous", "static")
+FREE_BLOCK_ORDERS = ("lru", "mru")  # which free KV block is taken first: least / most recently freed
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2  # bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -53,6 +54,11 @@ class EngineConfig:
         max_model_len: context length (tokens); None = the model's, capped by the KV pool's capacity.
         policy: ``"continuous"`` or ``"static"`` (comparison only).
         enable_prefix_caching: reuse cached full blocks of identical prefixes.
+        free_block_order: ``"lru"`` (vLLM's: freed blocks join the back of the free queue and the least
+            recently freed is taken first, so cached prefixes live longest) or ``"mru"`` (the most recently
+            freed block is taken first: a waiting request takes exactly the blocks a finished one just
+            freed, which talk mode can point at; it evicts the freshest cached prefixes first, so prefix
+            caching finds fewer hits).
         telemetry_capacity: steps kept in the telemetry ring buffer.
         seed: seed of the global sampling generator for unseeded requests.
     """
@@ -69,12 +75,15 @@ class EngineConfig:
     max_model_len: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True
+    free_block_order: str = "lru"
     telemetry_capacity: int = 512
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.free_block_order not in FREE_BLOCK_ORDERS:
+            raise ValueError(f"free_block_order must be one of {FREE_BLOCK_ORDERS}, got {self.free_block_order!r}")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens) < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and prefill_chunk_tokens must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -15,12 +15,12 @@ import uuid
 
 import torch
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import max_token_chars
 from engine.isolation import error_output, execute_isolated, reject_non_finite, sample_isolated
 from engine.kv_cache import KVCacheManager
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, bytes_per_block
+from engine.model_loader import eos_token_ids, load_model
+from engine.model_runner import ModelRunner, num_blocks_for
 from engine.output_processor import OutputProcessor
 from engine.request import ChatPrompt, Request, RequestOutput, RequestStatus, SamplingParams, TextPrompt
 from engine.sampler import Sampler
@@ -36,17 +36,6 @@ def _check_text(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{what} is not valid Unicode text: {e.reason} at position {e.start}") from None
-
-
-def _eos_ids(tokenizer, model) -> frozenset[int]:
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return frozenset(ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,22 +67,6 @@ class EngineStats:
     dtype: str
 
 
-def _num_blocks(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
-    if config.num_blocks is not None:
-        return config.num_blocks
-    per_block = bytes_per_block(model.config, config.block_size, dtype)
-    budget = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
-    if isinstance(budget, float):  # a fraction of free device memory
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        budget = int(free * budget)
-    return max(1, int(budget) // per_block)
-
-
 class EngineCore:
     """The engine: a scheduler, a KV cache manager, a model runner, a sampler and telemetry.
 
@@ -118,19 +91,19 @@ class EngineCore:
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        num_blocks = _num_blocks(cfg, model, device, dtype)
+        num_blocks = num_blocks_for(cfg, model, device, dtype)
         cfg.num_blocks = num_blocks
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         limits = [num_blocks * cfg.block_size, getattr(text_cfg, "max_position_embeddings", None), cfg.max_model_len]
         self.max_model_len = min(x for x in limits if x)
         cfg.max_model_len = self.max_model_len
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.free_block_order)
         self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(tokenizer)
         self.telemetry = Telemetry(capacity=cfg.telemetry_capacity)
-        self.eos_token_ids = _eos_ids(tokenizer, model)
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
         self.step_count = 0
         self.peak_used_blocks = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -355,6 +328,7 @@ class EngineCore:
                 engine's state cannot be trusted; callers fail everything in flight (:meth:`fail_all`).
         """
         t0 = time.monotonic()
+        self.kv.pool.step = self.step_count + 1  # stamps the blocks taken and freed in this step
         self._drain_inbox()
         sched = self.scheduler.schedule()
         batch_slots = self.scheduler.batch_slot_snapshot(sched)
@@ -379,6 +353,7 @@ class EngineCore:
         if not sched.is_empty or finished:
             self.step_count += 1
             self._record(t0, forward_time, sched, batch_slots, changed, finished)
+        self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
     def _detokenize(self, req: Request) -> None:
@@ -468,6 +443,8 @@ class EngineCore:
                 prefix_cache_hits=kv.prefix_cache_hits,
                 cache_hit_blocks=kv.cache_hit_blocks,
                 waiting=tuple(r.request_id for r in self.scheduler.waiting),
+                block_takes=self.kv.pool.take_events(),
+                block_origins=kv.block_origins,
             )
         )
         self._record_finished(finished, now)
@@ -484,12 +461,22 @@ class EngineCore:
         self.telemetry.amend_latest(dataclasses.replace(
             last, block_tables=kv.block_tables, block_refcount=kv.block_refcount, block_tokens=kv.block_tokens,
             block_reuses=kv.block_reuses, cached_blocks=kv.cached_blocks, cache_hit_blocks=kv.cache_hit_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
+            block_origins=kv.block_origins, num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
         ))
 
     def _record_finished(self, finished: list[Request], now: float) -> None:
+        """Latency records of finished requests; time the engine was held by a pause is left out of TTFT,
+        TPOT and e2e (it measures the presenter, not the engine)."""
+        held = self.telemetry.held_time
         for r in finished:
+            end = r.finish_time or now
+            ttft, tpot = r.ttft, r.tpot
+            if ttft is not None:
+                ttft = max(0.0, ttft - held(r.arrival_time, r.first_token_time, now))
+            if tpot is not None:
+                n = len(r.output_token_ids) - 1
+                tpot = max(0.0, tpot - held(r.first_token_time, r.finish_time, now) / n)
             self.telemetry.record_finished(
-                FinishedRequestStats(r.request_id, r.ttft, r.tpot, (r.finish_time or now) - r.arrival_time,
+                FinishedRequestStats(r.request_id, ttft, tpot, max(0.0, end - r.arrival_time - held(r.arrival_time, end, now)),
                                      r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)
             )

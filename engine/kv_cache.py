@@ -14,7 +14,38 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.config import FREE_BLOCK_ORDERS
 from engine.request import Request
+
+# BlockTake.kind: where a block a request takes comes from
+TAKE_NEW = "new"  # never held by any request before
+TAKE_REUSED = "reused"  # freed by another request; its old contents are overwritten
+TAKE_CACHED = "cached"  # a free block still holding a cached prefix (prefix-cache hit): contents kept
+TAKE_SHARED = "shared"  # a prefix-cache hit on a block another request holds now (refcount > 1)
+TAKE_OWN = "own"  # freed by the same request before (it was preempted, or a copy-on-write of its own)
+
+
+@dataclass(frozen=True)
+class BlockTake:
+    """Provenance of one block a request took: whose it was before and when it was freed (plain data).
+
+    Attributes:
+        block_id: the physical block.
+        request_id: the request that took it.
+        step: the engine step in which it was taken.
+        kind: one of ``"new"``, ``"reused"``, ``"cached"``, ``"shared"``, ``"own"`` (see the ``TAKE_*``
+            constants).
+        previous_owner: the request that held it last before (None for a block never used).
+        freed_step: the engine step in which that owner freed it (None when never freed: a new or a
+            shared block).
+    """
+
+    block_id: int
+    request_id: str
+    step: int
+    kind: str
+    previous_owner: str | None = None
+    freed_step: int | None = None
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str | None = None) -> bytes:
@@ -30,28 +61,50 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
 
 
 class BlockPool:
-    """``num_blocks`` physical blocks with refcounts, an LRU free queue and a prefix-hash map.
+    """``num_blocks`` physical blocks with refcounts, a free queue and a prefix-hash map.
 
     A block is *free* when its refcount is 0; free blocks wait in ``free_queue`` in the order they
-    were freed, and new blocks are taken from its head (least recently freed first). A free block that
-    still has a hash is *cached-free*: :meth:`touch` can bring it back until it is taken for new data,
-    at which point its hash is dropped (evicted).
+    were freed. With ``free_block_order="lru"`` (the default, vLLM's) new blocks are taken from its
+    head (least recently freed first), so cached prefixes live longest; with ``"mru"`` from its tail
+    (most recently freed first), so a waiting request takes exactly the blocks a finished one just
+    freed, at the price of evicting the freshest cached prefixes first. A free block that still has a
+    hash is *cached-free*: :meth:`touch` can bring it back until it is taken for new data, at which
+    point its hash is dropped (evicted).
+
+    Provenance: every block a request takes is recorded as a :class:`BlockTake` (whose it was, the step
+    it was freed), at a cost proportional to the blocks taken or freed, never to the pool;
+    :meth:`take_events` hands them over once per step, :attr:`origins` keeps the take of every held block.
 
     Attributes:
         ref_cnt: per block, number of block tables holding it.
         block_hash: per block, its content hash when full and cached, else None.
         reuses: per block, times it was handed to a request other than its previous owner.
+        step: the engine step now running (set by the engine; stamps takes and frees).
+        freed_step: per block, the step it was last freed in (None: never freed).
+
+    Raises:
+        ValueError: ``num_blocks`` < 1 or an unknown ``free_block_order``.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, free_block_order: str = "lru") -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if free_block_order not in FREE_BLOCK_ORDERS:
+            raise ValueError(f"free_block_order must be one of {FREE_BLOCK_ORDERS}, got {free_block_order!r}")
         self.num_blocks = num_blocks
+        self.free_block_order = free_block_order
+        self.step = 0
+        self.freed_step: list[int | None] = [None] * num_blocks
+        self.origins: dict[int, BlockTake] = {}  # held block -> how its holder(s) got it
+        self._takes: list[BlockTake] = []  # taken since the last take_events()
+        self._origins_copy: dict[int, BlockTake] | None = {}  # a frozen copy for snapshots; None when stale
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.reuses = [0] * num_blocks
         self.last_owner: list[str | None] = [None] * num_blocks
-        self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
+        # blocks never used are taken lowest id first in either order
+        ids = range(num_blocks) if free_block_order == "lru" else range(num_blocks - 1, -1, -1)
+        self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in ids)
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
 
@@ -64,15 +117,38 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def _mark_owner(self, block_id: int, owner: str | None) -> None:
+    def _mark_owner(self, block_id: int, owner: str | None, kind: str | None = None) -> None:
+        """Record that ``owner`` took ``block_id`` (refcount 0 -> 1): its reuse count and provenance."""
         if owner is not None:
             prev = self.last_owner[block_id]
             if prev is not None and prev != owner:
                 self.reuses[block_id] += 1
             self.last_owner[block_id] = owner
+            if kind is None:
+                kind = TAKE_NEW if prev is None else TAKE_OWN if prev == owner else TAKE_REUSED
+            self._record_take(BlockTake(block_id, owner, self.step, kind, prev, self.freed_step[block_id]))
+
+    def _record_take(self, take: BlockTake) -> None:
+        self._takes.append(take)
+        if take.kind != TAKE_SHARED:  # a shared block keeps the origin of its first holder
+            self.origins[take.block_id] = take
+            self._origins_copy = None
+
+    def take_events(self) -> tuple[BlockTake, ...]:
+        """The blocks taken since the last call, in order (the engine calls it once per step)."""
+        out, self._takes = tuple(self._takes), []
+        return out
+
+    def origins_snapshot(self) -> dict[int, BlockTake]:
+        """A copy of :attr:`origins` (held block -> its :class:`BlockTake`) that is never changed later;
+        the same object until a block is taken or freed, so an unchanged step costs nothing."""
+        if self._origins_copy is None:
+            self._origins_copy = dict(self.origins)
+        return self._origins_copy
 
     def allocate(self, n: int, owner: str | None = None) -> list[int]:
-        """Take ``n`` free blocks (LRU first), evicting their cached hashes; refcount becomes 1.
+        """Take ``n`` free blocks (least recently freed first, or most recently freed first with
+        ``free_block_order="mru"``), evicting their cached hashes; refcount becomes 1.
 
         Raises:
             RuntimeError: when fewer than ``n`` blocks are free (callers check first).
@@ -80,8 +156,9 @@ class BlockPool:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
         out = []
+        mru = self.free_block_order == "mru"
         for _ in range(n):
-            bid, _ = self.free_queue.popitem(last=False)
+            bid, _ = self.free_queue.popitem(last=mru)
             h = self.block_hash[bid]
             if h is not None:
                 self.block_hash[bid] = None
@@ -99,7 +176,9 @@ class BlockPool:
         for bid in block_ids:
             if self.ref_cnt[bid] == 0:
                 del self.free_queue[bid]
-                self._mark_owner(bid, owner)
+                self._mark_owner(bid, owner, TAKE_CACHED)
+            elif owner is not None:
+                self._record_take(BlockTake(bid, owner, self.step, TAKE_SHARED, self.last_owner[bid]))
             self.ref_cnt[bid] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -109,6 +188,9 @@ class BlockPool:
             self.ref_cnt[bid] -= 1
             if self.ref_cnt[bid] == 0:
                 self.free_queue[bid] = None
+                self.freed_step[bid] = self.step
+                if self.origins.pop(bid, None) is not None:
+                    self._origins_copy = None
             elif self.ref_cnt[bid] < 0:
                 raise RuntimeError(f"block {bid} freed more often than allocated")
 
@@ -151,6 +233,7 @@ class KVCacheSnapshot:
         block_reuses: per physical block, times it was handed to a request other than its previous owner.
         cached_blocks: free blocks that still hold a findable prefix.
         cache_hit_blocks: held blocks that their request got from the prefix cache.
+        block_origins: held block -> the :class:`BlockTake` by which its (first) holder got it.
         num_used_blocks: blocks held by requests.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found so far (tokens).
     """
@@ -162,6 +245,7 @@ class KVCacheSnapshot:
     cached_blocks: frozenset[int]
     cache_hit_blocks: frozenset[int]
     num_used_blocks: int
+    block_origins: dict[int, BlockTake]
     prefix_cache_queries: int
     prefix_cache_hits: int
 
@@ -174,10 +258,13 @@ class KVCacheManager:
         num_blocks: physical blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: look up and record full blocks by content hash.
+        free_block_order: ``"lru"`` (take the least recently freed block first) or ``"mru"`` (the most
+            recently freed first); see :class:`BlockPool`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 free_block_order: str = "lru") -> None:
+        self.pool = BlockPool(num_blocks, free_block_order)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
@@ -356,6 +443,7 @@ class KVCacheManager:
             cached_blocks=frozenset(cached),
             cache_hit_blocks=frozenset(hit_blocks),
             num_used_blocks=pool.num_used_blocks,
+            block_origins=pool.origins_snapshot(),
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
         )

@@ -234,3 +234,15 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
         raise _load_error(model, exc) from exc
     lm.to(dev).eval()
     return lm, tokenizer
+
+
+def eos_token_ids(tokenizer, model) -> frozenset[int]:
+    """The token ids that end a request: the tokenizer's EOS and the model's ``generation_config`` EOS ids."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return frozenset(ids)

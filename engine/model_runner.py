@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from engine.request import Request
 
 ATTN_NAME = "cbp_paged"
@@ -220,3 +221,21 @@ class ModelRunner:
         )
         # a step of partial prefill chunks only fills the cache: ``rows`` is empty, no logits
         return (out.logits[0] if sampling else None), sampling
+
+
+def num_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks of the pool: ``config.num_blocks``, else ``config.kv_cache_memory`` (bytes, or a fraction of
+    free device memory; default 512 MiB) divided by the bytes of one block of every layer's K and V."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = bytes_per_block(model.config, config.block_size, dtype)
+    budget = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+    if isinstance(budget, float):  # a fraction of free device memory
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        budget = int(free * budget)
+    return max(1, int(budget) // per_block)

@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
-from engine.config import POLICIES, EngineConfig
+from engine.config import FREE_BLOCK_ORDERS, POLICIES, EngineConfig
 
 ENV_PREFIX = "CBP_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -124,6 +124,11 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
                                          "--num-blocks: 512MiB)"),
     Option("enable_prefix_caching", bool, _CFG["enable_prefix_caching"],
            "reuse the KV blocks of identical prompt prefixes"),
+    Option("free_block_order", str, _CFG["free_block_order"],
+           "which free KV block a request takes first: lru = the least recently freed (vLLM's; cached prefixes "
+           "live longest), mru = the most recently freed (talk mode: a waiting request takes exactly the blocks "
+           "a finished one freed a step before; evicts the freshest cached prefixes first, so fewer prefix hits)",
+           choices=FREE_BLOCK_ORDERS),
 )
 
 # The playground's own defaults: a small pool and few slots, so that the panels show slots being

@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 PHASE_IDLE = "idle"
 PHASE_PREFILL = "prefill"
@@ -71,6 +73,11 @@ class StepSnapshot:
         prefix_cache_hits: of those, tokens found cached and not recomputed (tokens).
         cache_hit_blocks: ids of held blocks that a request got from the prefix cache.
         waiting: ids of the waiting requests, in queue order (the first is admitted next).
+        block_takes: the blocks requests took in this step, in order: one ``engine.kv_cache.BlockTake``
+            each (block id, request, kind: new / reused / cached / shared / own, previous owner, the step it
+            was freed in).
+        block_origins: held block id -> the ``BlockTake`` by which its (first) holder got it, so a block
+            taken earlier still says whose it was.
     """
 
     step: int
@@ -94,6 +101,8 @@ class StepSnapshot:
     prefix_cache_hits: int = 0
     cache_hit_blocks: frozenset[int] = frozenset()
     waiting: tuple[str, ...] = ()
+    block_takes: tuple = ()
+    block_origins: Mapping[int, Any] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -183,10 +192,41 @@ class Telemetry:
     paused: bool = field(init=False, default=False)  # the engine is paused (talk mode): no step runs
     queue: tuple = field(init=False, default=())  # ids of the waiting requests now, in queue order
     version: int = field(init=False, default=0)  # changes whenever the newest snapshot does (record or amend)
+    max_held: int = 4096  # held (paused) intervals kept
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
         self._finished = collections.deque(maxlen=self.max_finished)
+        self._held: collections.deque = collections.deque(maxlen=self.max_held)  # (start, end), oldest first
+        self._held_since: float | None = None  # start of the interval the engine is held now
+
+    def set_held(self, held: bool, now: float | None = None) -> None:
+        """Record that the engine is held by a pause (no step runs) from now on, or no longer (stepping
+        thread). Cheap when nothing changes. ``now`` defaults to ``time.monotonic()`` (seconds)."""
+        if held == (self._held_since is not None):
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if held:
+                self._held_since = now
+            else:
+                self._held.append((self._held_since, now))
+                self._held_since = None
+
+    def held_time(self, start: float, end: float, now: float | None = None) -> float:
+        """Seconds of ``[start, end]`` (``time.monotonic()`` times) during which the engine was held by a pause;
+        the interval it is held now counts up to ``now``. Only the last ``max_held`` intervals are kept."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            intervals = list(self._held)
+            if self._held_since is not None:
+                intervals.append((self._held_since, now))
+        total = 0.0
+        for a, b in reversed(intervals):
+            if b <= start:
+                break
+            total += max(0.0, min(b, end) - max(a, start))
+        return total
 
     def record(self, snap: StepSnapshot) -> None:
         """Append one step's snapshot (engine thread)."""

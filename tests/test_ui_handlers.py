@@ -322,30 +322,32 @@ def test_load_generator_runs_follow_the_engine_and_restart_from_zero(tiny_model,
         snap = eng.telemetry.latest()
         assert snap.num_running > 0 and snap.num_running + snap.num_waiting == 6
         assert gen.status() == f"run 1: 6 requested · {engine_part(snap)} · 0 stopped · 0 failed"
-        gen.start(2, rate=1000.0)  # while run 1 still has chats: they join run 1
-        await _until(lambda: gen.stats.started == 8)
-        assert gen.run == 1 and gen.stats.requested == 8
+        gen.start(2, rate=1000.0)  # while run 1 still has chats: a new run, run 1's chats go on apart
+        await _until(lambda: gen.stats.started == 2)
+        assert gen.run == 2 and gen.stats.requested == 2
         # paused: the engine takes them into its waiting queue and amends its newest snapshot, so they count
         # as waiting at once
         await _until(lambda: len(eng.telemetry.queue) == snap.num_waiting + 2)
-        assert gen.status().startswith(f"run 1: 8 requested · {snap.num_running} running · "
-                                       f"{snap.num_waiting + 2} waiting ·")
-        gen.stop()
+        assert gen.status() == ("run 2: 2 requested · 0 running · 2 waiting · 0 finished · 0 stopped · 0 failed"
+                                " · + 6 of earlier runs")
+        assert gen.status("ko").endswith("이전 실행 6개 진행 중")
+        gen.stop()  # every run's chats
         await _until(lambda: gen.active == 0)
-        assert gen.stats.cancelled == 8 and gen.run == 1
+        assert gen.stats.cancelled == 2 and gen.run == 2
+        assert gen.status().endswith("0 finished · 2 stopped · 0 failed")  # run 1's are gone: no "+ earlier"
 
-        gen.start(3, rate=1000.0)  # a new run: its counts start from zero; run 1's ids in the snapshot don't count
-        assert gen.run == 2 and gen.stats.cancelled == 0
-        assert gen.status() == "run 2: 3 requested · 0 running · 0 waiting · 0 finished · 0 stopped · 0 failed"
+        gen.start(3, rate=1000.0)  # a new run: its counts start from zero; earlier runs' ids in the snapshot don't count
+        assert gen.run == 3 and gen.stats.cancelled == 0
+        assert gen.status() == "run 3: 3 requested · 0 running · 0 waiting · 0 finished · 0 stopped · 0 failed"
         await _until(lambda: gen.stats.started == 3 and len(eng.telemetry.queue) == 3)
-        assert gen.status() == "run 2: 3 requested · 0 running · 3 waiting · 0 finished · 0 stopped · 0 failed"
-        assert gen.status("ko").startswith("실행 2: 요청 3 · 실행 중 0 · 대기 중 3")
+        assert gen.status() == "run 3: 3 requested · 0 running · 3 waiting · 0 finished · 0 stopped · 0 failed"
+        assert gen.status("ko").startswith("실행 3: 요청 3 · 실행 중 0 · 대기 중 3")
         eng.step_once()
         await _until(lambda: eng.step_count == 2)
         snap = eng.telemetry.latest()
         assert snap.num_running > 0 and snap.num_running + snap.num_waiting == 3
-        assert all(s.request_id is None or s.request_id.startswith("load-2-") for s in snap.batch_slots)
-        assert gen.status() == f"run 2: 3 requested · {engine_part(snap)} · 0 stopped · 0 failed"
+        assert all(s.request_id is None or s.request_id.startswith("load-3-") for s in snap.batch_slots)
+        assert gen.status() == f"run 3: 3 requested · {engine_part(snap)} · 0 stopped · 0 failed"
         gen.stop()
         await _until(lambda: gen.active == 0)
 

@@ -47,10 +47,38 @@ LABELS_EN = {
     "reused_marker": "reused block", "running": "running", "waiting": "waiting", "kv": "KV usage %",
     "prefill": "prefill", "decode": "decode", "idle": "idle (held)",
     "outside": "not in the pool", "mine": "your request", "cache_hit_tokens": "prefix-cache hit tokens",
+    "taken_marker": "taken this step", "taken_at": "taken at step {step}", "origin_new": "never used before",
+    "origin_reused": "was {owner}'s, freed at step {freed}", "origin_own": "its own again, freed at step {freed}",
+    "origin_cached": "cached prefix of {owner}, freed at step {freed}", "origin_shared": "shared with {owner}",
+    "totals_fmt": "{tok} tok · {steps} steps · {preempt} preempt.",
+    "prefix_fmt": "{rate}% hit · {saved} tok saved", "prefix_window_fmt": " (last {steps} steps)",
 }
 
 
-DEFAULT_WINDOW = 96  # steps on the occupancy x axis before the first step (the panel's default window)
+def origin_text(take, labels: Mapping[str, str] | None = None) -> str:
+    """Hover text of a held block's provenance, e.g. ``"taken at step 12 · was A's, freed at step 11"``.
+
+    Args:
+        take: an ``engine.kv_cache.BlockTake`` (``step``, ``kind``, ``previous_owner``, ``freed_step``), or None.
+        labels: translated texts (keys of :data:`LABELS_EN`).
+
+    Returns:
+        the text; "" for None.
+    """
+    if take is None:
+        return ""
+    L = {**LABELS_EN, **(labels or {})}
+    key = "origin_" + take.kind if ("origin_" + take.kind) in L else "origin_new"
+    if take.previous_owner is None and key != "origin_shared":
+        key = "origin_new"
+    how = L[key].format(owner=take.previous_owner, freed="?" if take.freed_step is None else take.freed_step)
+    return f"{L['taken_at'].format(step=take.step)} · {how}"
+
+
+DEFAULT_WINDOW = 48  # steps on the occupancy x axis: at 1366x768 the panel's plot area is about 700 px wide,
+# so a cell is about 14.5 px, wide enough for the ▷ of a hand-over to read on a projector (96 gave 7 px)
+OCCUPANCY_MARGIN = {"l": 50, "r": 12, "t": 34, "b": 66}  # pixels; "b" holds tick labels, axis title and legend
+LEGEND_LINE_PX = 22  # height of one line of a horizontal legend (12 px font)
 
 
 
@@ -120,16 +148,18 @@ def occupancy_figure(
     ))
     fig.add_trace(go.Scatter(
         x=adm_x, y=adm_y, mode="markers", name=L["admitted"], text=adm_text, hovertemplate="%{text}<extra></extra>",
-        marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
+        cliponaxis=False, marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
     ))
     for name, col in ((L["prefill"], light_shade(PALETTE[0])), (L["decode"], PALETTE[0]), (L["idle"], IDLE_COLOR)):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker={"symbol": "square", "size": 10, "color": col}, hoverinfo="skip"))
     fig.update_layout(
-        height=height, margin={"l": 50, "r": 10, "t": 34, "b": 40}, plot_bgcolor="white",
-        legend={"orientation": "h", "y": -0.18, "x": 0}, uirevision="occupancy",
+        height=height, margin=dict(OCCUPANCY_MARGIN), plot_bgcolor="white", uirevision="occupancy",
+        # the legend sits at the figure's bottom edge, under the axis title (never over it)
+        legend={"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0},
     )
-    fig.update_xaxes(title_text=L["step"], showgrid=False, zeroline=False, range=_step_range(steps, window))
+    fig.update_xaxes(title_text=L["step"], title_standoff=2, title_font_size=12, showgrid=False, zeroline=False,
+                     range=_step_range(steps, window))
     if n_slots:
         fig.update_yaxes(range=[n_slots - 0.5, -0.5], dtick=1 if n_slots <= 16 else None)
     else:  # nothing known about the batch: an empty box, no invented slot numbers
@@ -229,7 +259,9 @@ def block_map_figure(
     trace 2 marks shared blocks (refcount > 1); trace 3 is the legend entry of cached-free blocks;
     trace 4 marks held blocks that their request found in the prefix cache instead of computing them;
     trace 5 marks with a faint "x" the grid cells past the last block ("not in the pool"), which show
-    the grid colour.
+    the grid colour; trace 6 marks with ▷ (left of the cell's centre) the blocks taken in this step
+    (``snap.block_takes``), so a hand-over of blocks shows at the step it happens. ``customdata[5]`` is the
+    held block's provenance (:func:`origin_text`: taken at step N, whose it was, the step it was freed).
 
     Args:
         snap: the step to draw, or None before the first step.
@@ -250,12 +282,13 @@ def block_map_figure(
     if snap is not None:
         owners, tokens, refcount, reuses = snap.block_owners(), snap.block_tokens, snap.block_refcount, snap.block_reuses
         cached, hit_blocks = snap.cached_blocks, snap.cache_hit_blocks
+        origins, taken_now = snap.block_origins, {t.block_id for t in snap.block_takes}
     else:
         owners, tokens, refcount, reuses = [[]] * n, [0] * n, [0] * n, [0] * n
-        cached, hit_blocks = frozenset(), frozenset()
+        cached, hit_blocks, origins, taken_now = frozenset(), frozenset(), {}, set()
     z = [[None] * cols for _ in range(rows)]
-    cd = [[(-1, "", 0, 0, 0)] * cols for _ in range(rows)]
-    reused, shared, hits = ([], []), ([], []), ([], [])
+    cd = [[(-1, "", 0, 0, 0, "")] * cols for _ in range(rows)]
+    reused, shared, hits, taken = ([], []), ([], []), ([], []), ([], [])
     for b in range(n):
         r, c = divmod(b, cols)
         own = owners[b]
@@ -268,17 +301,19 @@ def block_map_figure(
                 shared[0].append(c), shared[1].append(r)
             if b in hit_blocks:
                 hits[0].append(c), hits[1].append(r)
+            if b in taken_now:
+                taken[0].append(c - 0.3), taken[1].append(r)
         elif b in cached:
             z[r][c] = CACHED_CODE
             state = L["cached"]
         else:
             z[r][c] = FREE_CODE
             state = L["free"]
-        cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b])
+        cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b], origin_text(origins.get(b), L) if own else "")
     outside = [(c, rows - 1) for c in range(n - (rows - 1) * cols, cols)]
     hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
              f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
-             f"{L['reused']}: %{{customdata[4]}}<extra></extra>")
+             f"{L['reused']}: %{{customdata[4]}}<br>%{{customdata[5]}}<extra></extra>")
     fig.add_trace(go.Heatmap(
         z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE, showscale=False, xgap=1, ygap=1,
         hoverongaps=False, name="blocks", **ZRANGE,
@@ -302,6 +337,10 @@ def block_map_figure(
         showlegend=bool(outside), hovertemplate=f"{L['outside']}<extra></extra>",
         marker={"symbol": "x-thin", "size": 7, "color": OUTSIDE_MARK_COLOR,
                 "line": {"color": OUTSIDE_MARK_COLOR, "width": 1}},
+    ))
+    fig.add_trace(go.Scatter(
+        x=taken[0], y=taken[1], mode="markers", name=L["taken_marker"], hoverinfo="skip", cliponaxis=False,
+        marker={"symbol": "triangle-right", "size": 7, "color": "white", "line": {"color": "black", "width": 1}},
     ))
     fig.update_layout(
         height=height, margin={"l": 40, "r": 10, "t": 34, "b": 30}, plot_bgcolor=GRID_COLOR,
@@ -376,12 +415,20 @@ def rates_figure(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | 
     return fig
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+def latency_text(seconds: float | None) -> str:
+    """A latency for the counters: ``"123 ms"`` below 10 s, ``"12.3 s"`` from 10 s on, ``"-"`` for None."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
-    """Formatted counters from :meth:`Telemetry.stats` (units are universal, so no translation)."""
+_ms = latency_text
+
+
+def counter_values(stats: Mapping[str, object], labels: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Formatted counters from :meth:`Telemetry.stats`; the totals and the prefix-cache line in the language
+    of ``labels`` (keys of :data:`LABELS_EN`; English by default). Latencies: see :func:`latency_text`."""
+    L = {**LABELS_EN, **(labels or {})}
     return {
         "running": str(stats.get("running", 0)),
         "waiting": str(stats.get("waiting", 0)),
@@ -389,22 +436,22 @@ def counter_values(stats: Mapping[str, object]) -> dict[str, str]:
         "tokens_per_s": f"{float(stats.get('tokens_per_s', 0.0)):.1f} tok/s",
         "ttft": f"{_ms(stats.get('ttft_p50'))} / {_ms(stats.get('ttft_p90'))}",
         "tpot": f"{_ms(stats.get('tpot_p50'))} / {_ms(stats.get('tpot_p90'))}",
-        "totals": f"{stats.get('generated_tokens', 0)} tok · {stats.get('steps', 0)} steps · "
-                  f"{stats.get('preemptions', 0)} preempt.",
-        "prefix_cache": _hit_rate(stats),
+        "totals": L["totals_fmt"].format(tok=stats.get("generated_tokens", 0), steps=stats.get("steps", 0),
+                                         preempt=stats.get("preemptions", 0)),
+        "prefix_cache": _hit_rate(stats, L),
     }
 
 
-def _hit_rate(stats: Mapping[str, object]) -> str:
+def _hit_rate(stats: Mapping[str, object], L: Mapping[str, str] = LABELS_EN) -> str:
     """The prefix-cache counter: over the last steps (``prefix_hit_rate_window``) when the stats have it,
     else since the start; "-" when no prompt was looked up."""
     if "prefix_hit_rate_window" in stats:
         rate = stats["prefix_hit_rate_window"]
         if rate is None:
             return "-"
-        return (f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved_window', 0)} tok saved "
-                f"(last {stats.get('prefix_window_steps', '?')} steps)")
+        return (L["prefix_fmt"].format(rate=f"{100 * float(rate):.0f}", saved=stats.get("prefill_tokens_saved_window", 0))
+                + L["prefix_window_fmt"].format(steps=stats.get("prefix_window_steps", "?")))
     rate = stats.get("prefix_hit_rate")
     if rate is None:
         return "-"
-    return f"{100 * float(rate):.0f}% hit · {stats.get('prefill_tokens_saved', 0)} tok saved"
+    return L["prefix_fmt"].format(rate=f"{100 * float(rate):.0f}", saved=stats.get("prefill_tokens_saved", 0))

@@ -21,14 +21,16 @@ physical block, in the colour of the request whose block table holds it; white =
 but still holding a cached prefix that a new request with the same beginning can reuse; × = past the end of \
 the pool. Your own request is outlined in both panels. A dot marks a block \
 that had served another request before: memory is recycled block by block, nothing is reserved per request, \
-so at most one partly filled block per request is wasted.
+so at most one partly filled block per request is wasted. ▷ marks the blocks taken in the step shown; hover \
+says whose a block was and when it was freed.
 
 **Counters.** Running and waiting requests, share of blocks in use, generated tokens per second (last 5 s), \
 time to first token and time per output token (median / 90th percentile of finished requests), prefix-cache \
 hits over the last 64 steps.
 
 **Talk mode.** ‖ Pause holds the engine between two steps (messages queue, streams wait), ▶| Step runs exactly \
-one step, slow motion makes each step last at least that long, and Look back pins the panels at an earlier step. \
+one step, ⏭ Next hand-over / Next block reuse run until a slot or a block changes hands and pause there, slow \
+motion makes each step last at least that long, and Look back pins the panels at an earlier step. \
 Each reply's status line says where its request is: queued, prefilling, decoding, preempted, finished.
 """
 
@@ -43,13 +45,15 @@ HOW_KO = """\
 그 블록을 블록 테이블에 가진 요청의 색으로 칠해집니다. 흰색 = 비어 있음, 옅은 청회색 = 비어 있지만 같은 앞부분을 \
 가진 새 요청이 재사용할 수 있는 프리픽스가 캐시되어 있음, × = 풀 바깥. 내 요청은 두 패널에서 테두리로 표시됩니다. \
 점은 전에 다른 요청이 쓰던 블록이라는 표시입니다. \
-메모리는 블록 단위로 재활용되고 요청마다 미리 잡아 두지 않으므로, 낭비는 요청당 덜 찬 블록 하나뿐입니다.
+메모리는 블록 단위로 재활용되고 요청마다 미리 잡아 두지 않으므로, 낭비는 요청당 덜 찬 블록 하나뿐입니다. \
+▷ 표시는 보고 있는 스텝에 요청이 받은 블록이며, 마우스를 올리면 전에 누구의 블록이었고 언제 해제되었는지 나옵니다.
 
 **카운터.** 실행 중/대기 중 요청 수, 사용 중인 블록 비율, 초당 생성 토큰(최근 5초), 첫 토큰까지 시간과 출력 \
 토큰당 시간(끝난 요청의 중앙값 / 90번째 백분위), 최근 64스텝의 프리픽스 캐시 적중.
 
 **발표 모드.** ‖ 일시 정지는 두 스텝 사이에서 엔진을 멈추고(메시지는 대기, 스트림은 멈춤), ▶| 한 스텝은 정확히 \
-한 스텝만 실행하며, 슬로 모션은 스텝마다 최소 시간을 두고, 되돌아보기는 패널을 이전 스텝에 고정합니다. 각 답변의 \
+한 스텝만 실행하며, ⏭ 다음 슬롯 인계 / 다음 블록 재사용은 슬롯이나 블록의 주인이 바뀔 때까지 실행한 뒤 \
+그 스텝에서 멈추고, 슬로 모션은 스텝마다 최소 시간을 두고, 되돌아보기는 패널을 이전 스텝에 고정합니다. 각 답변의 \
 상태 줄은 요청이 어디에 있는지(대기, 프리필, 디코딩, 선점, 완료) 알려 줍니다.
 """
 
@@ -72,6 +76,7 @@ EN = {
     "how_title": "How it works", "how": HOW_EN, "engine": "Engine",
     "pause": "‖ Pause", "resume": "▶ Resume", "step": "▶| Step", "slow_motion": "Slow motion (min. seconds per step)",
     "look_back": "Look back (steps before the newest; 0 = live)",
+    "next_handover": "⏭ Next hand-over", "next_reuse": "⏭ Next block reuse",
     "cmp_note": "Two fresh engines on the loaded model run the same requests: **static** batching (the next batch "
                 "starts when the whole batch is done), then **continuous** (a freed slot is refilled at the next "
                 "step). Rows: batch slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by "
@@ -107,6 +112,7 @@ KO = {
     "how_title": "어떻게 동작하나요?", "how": HOW_KO, "engine": "엔진",
     "pause": "‖ 일시 정지", "resume": "▶ 계속", "step": "▶| 한 스텝", "slow_motion": "슬로 모션 (스텝당 최소 초)",
     "look_back": "되돌아보기 (최신 스텝에서 몇 스텝 전; 0 = 실시간)",
+    "next_handover": "⏭ 다음 슬롯 인계", "next_reuse": "⏭ 다음 블록 재사용",
     "cmp_note": "불러온 모델 위의 새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 "
                 "배치 시작), 이어서 **연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: "
                 "요청이 슬롯을 받음, 회색: 끝난 요청이 자리만 차지한 슬롯. 내 채팅에는 영향이 없습니다.",
@@ -135,6 +141,11 @@ FIGURE_LABELS = {
         "reused_marker": "재사용된 블록", "running": "실행 중", "waiting": "대기 중", "kv": "KV 사용률 %",
         "prefill": "프리필", "decode": "디코드", "idle": "유휴 (점유)",
         "outside": "풀 밖", "mine": "내 요청", "cache_hit_tokens": "프리픽스 캐시 적중 토큰",
+        "taken_marker": "이번 스텝에 받은 블록", "taken_at": "스텝 {step}에 받음", "origin_new": "처음 쓰는 블록",
+        "origin_reused": "{owner}의 블록이었음, 스텝 {freed}에 해제", "origin_own": "다시 자기 블록, 스텝 {freed}에 해제",
+        "origin_cached": "{owner}의 캐시된 프리픽스, 스텝 {freed}에 해제", "origin_shared": "{owner}와 공유",
+        "totals_fmt": "{tok} 토큰 · {steps} 스텝 · 선점 {preempt}회",
+        "prefix_fmt": "적중 {rate}% · {saved} 토큰 절약", "prefix_window_fmt": " (최근 {steps} 스텝)",
     },
 }
 
@@ -209,8 +220,30 @@ def state_text(lang: str, key: str, **values) -> str:
 PACE_TEXTS = {
     "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
            "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
-           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live"},
+           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live",
+           "seeking_handover": " · running to the next hand-over (a slot changes owner)…",
+           "seeking_reuse": " · running to the next block reuse (a freed block taken by another request)…",
+           "found_handover": " · **hand-over**: slot {slot} from {prev} to {new}",
+           "found_reused": " · **block reuse**: block {block} was {prev}'s (freed at step {freed}), now {new}'s",
+           "found_cached": " · **block reuse**: block {block}, {prev}'s cached prefix (freed at step {freed}), now {new}'s",
+           "not_found_handover": " · no hand-over in the steps run", "not_found_reuse": " · no block reuse in the steps run"},
     "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
            "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
-           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다"},
+           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다",
+           "seeking_handover": " · 다음 슬롯 인계(슬롯 주인이 바뀜)까지 실행 중…",
+           "seeking_reuse": " · 다음 블록 재사용(해제된 블록을 다른 요청이 받음)까지 실행 중…",
+           "found_handover": " · **슬롯 인계**: 슬롯 {slot}, {prev} → {new}",
+           "found_reused": " · **블록 재사용**: 블록 {block}, {prev}의 블록(스텝 {freed}에 해제) → {new}",
+           "found_cached": " · **블록 재사용**: 블록 {block}, {prev}의 캐시된 프리픽스(스텝 {freed}에 해제) → {new}",
+           "not_found_handover": " · 실행한 스텝에서 슬롯 인계 없음", "not_found_reuse": " · 실행한 스텝에서 블록 재사용 없음"},
 }
+
+
+# The header line under the title (server-side: the page is built once, the language is the request's).
+SUMMARY_TEXTS = {
+    "en": "`{model}` · **{slots}** slots · **{blocks}** KV blocks × **{block_size}** tokens · policy `{policy}` · "
+          "free blocks `{order}` · context {context} tokens",
+    "ko": "`{model}` · 슬롯 **{slots}**개 · KV 블록 **{blocks}**개 × 블록당 토큰 **{block_size}**개 · 정책 `{policy}` · "
+          "빈 블록 순서 `{order}` · 컨텍스트 {context} 토큰",
+}
+EMBEDDED_MODEL = {"en": "SmolLM2-135M-Instruct (embedded)", "ko": "SmolLM2-135M-Instruct (내장)"}

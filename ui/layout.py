@@ -11,9 +11,10 @@ from typing import Any
 
 import gradio as gr
 
+from ui import talk
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
-from ui.i18n import I18N, language, state_text, t
+from ui.i18n import EMBEDDED_MODEL, I18N, SUMMARY_TEXTS, language, state_text, t
 from ui.live import LiveChannel, head_html
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, PLOT_HEIGHT, Panels
@@ -53,13 +54,15 @@ LIVE_REPLY_HTML = ('<div id="live-reply" hidden><div id="live-reply-title"></div
                    '<div id="live-reply-text"></div></div>')
 
 
-def engine_summary(engine: Any, model_name: str | None = None) -> str:
-    """One Markdown line describing the engine's configuration (model, slots, blocks, policy)."""
+def engine_summary(engine: Any, model_name: str | None = None, lang: str = "en") -> str:
+    """One Markdown line describing the engine's configuration (model, slots, blocks, policy, free-block
+    order, context) in ``lang`` (``"en"`` or ``"ko"``; English when unknown)."""
     cfg = getattr(engine, "config", None)
     get = lambda name, default="?": getattr(cfg, name, default)  # noqa: E731
-    model = model_name or get("model", None) or "SmolLM2-135M-Instruct (embedded)"
-    return (f"`{model}` · **{get('max_num_seqs')}** slots · **{get('num_blocks')}** KV blocks × "
-            f"**{get('block_size')}** tokens · policy `{get('policy')}` · context {get('max_model_len')} tokens")
+    model = model_name or get("model", None) or EMBEDDED_MODEL.get(lang, EMBEDDED_MODEL["en"])
+    return SUMMARY_TEXTS.get(lang, SUMMARY_TEXTS["en"]).format(
+        model=model, slots=get("max_num_seqs"), blocks=get("num_blocks"), block_size=get("block_size"),
+        policy=get("policy"), order=get("free_block_order", "lru"), context=get("max_model_len"))
 
 
 def is_host_page(host_key: str | None, given: str | None) -> bool:
@@ -75,7 +78,7 @@ def build_app(
     *,
     model_name: str | None = None,
     refresh_s: float = 0.2,
-    window: int = 96,
+    window: int = 48,
     max_builds_per_s: float = 4.0,
     host_key: str | None = None,
     notice: str | None = None,
@@ -87,7 +90,8 @@ def build_app(
             pacing methods (``pause``, ``resume``, ``step_once``, ``set_min_step_time``).
         model_name: shown in the header (default: ``engine.config.model`` or the embedded model).
         refresh_s: seconds between two polls of the live channel by a visible tab (:mod:`ui.live`).
-        window: default number of engine steps shown in the occupancy and rates panels.
+        window: default number of engine steps shown in the occupancy and rates panels (48: cells of about 14 px
+            at 1366x768, see ``ui.figures.DEFAULT_WINDOW``).
         max_builds_per_s: most figure rebuilds per second for the whole process (``asyncio-throttle``).
         host_key: when set, only a page opened with ``?host=<host_key>`` may pause, step or slow the engine
             (a shared demo, e.g. a Space); None or "" lets every page do it.
@@ -98,14 +102,15 @@ def build_app(
     (``demo.cbp_router``) the server includes next to the page (:func:`server.build_server`, :func:`launch`).
 
     API endpoints: ``/chat`` (message, history, temperature, top_p, max_new_tokens, seed -> history,
-    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``,
-    ``/pause``, ``/resume``, ``/step``, ``/slow_motion`` (seconds per step); the pacing ones only when no
-    host key is set.
+    textbox; streams), ``/stop``, ``/clear``, ``/start_load`` (n, rate), ``/stop_load``, ``/pause``,
+    ``/resume``, ``/step``, ``/slow_motion`` (seconds per step), ``/next_handover`` and ``/next_block_reuse``
+    (run until a slot or a KV block changes hands, then pause); the pacing ones only when no host key is set.
     """
     cfg = getattr(engine, "config", None)
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
                     num_slots=getattr(cfg, "max_num_seqs", None), num_blocks=getattr(cfg, "num_blocks", None))
-    chat = ChatHandlers(engine, describe=panels.color_name)
+    # every status line names the colour, queued ones too: a chat's request gets its colour when sent
+    chat = ChatHandlers(engine, describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
     loadgen = LoadGenerator(engine)
     live = LiveChannel(engine, panels, chat, loadgen, window=window, refresh_s=refresh_s)
     capacity = int(getattr(engine.telemetry, "capacity", 512))
@@ -160,11 +165,22 @@ def build_app(
         if allowed(request):
             engine.set_min_step_time(float(seconds))
 
+    async def next_handover(request: gr.Request) -> None:
+        """Run to the next hand-over of a batch slot; answers once paused there (at most 10 s)."""
+        if allowed(request):
+            await talk.run_to(engine, "handover")
+
+    async def next_reuse(request: gr.Request) -> None:
+        """Run to the next reuse of a freed KV block by another request; answers once paused there."""
+        if allowed(request):
+            await talk.run_to(engine, "reuse")
+
     def on_load(given_key: str, request: gr.Request):
         session = session_of(request)
         host = is_host_page(host_key, given_key)
         live.open(session, host)
-        return (live_html(session), *(gr.update(interactive=host) for _ in range(6)))
+        return (engine_summary(engine, model_name, lang_of(request)), live_html(session),
+                *(gr.update(interactive=host) for _ in range(8)))
 
     def set_window(steps: float, request: gr.Request) -> None:
         live.view(session_of(request)).window = int(steps)
@@ -184,7 +200,7 @@ def build_app(
     with gr.Blocks(title="Continuous Batching Playground", fill_width=True) as demo:
         gr.Markdown(t("title"))
         gr.Markdown(t("subtitle"))
-        gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
+        summary_md = gr.Markdown(engine_summary(engine, model_name), elem_id="engine-summary")
         if notice:
             gr.Markdown(f"⚠️ {notice}", elem_id="engine-notice")
         with gr.Tab(t("tab_playground"), id="playground"):
@@ -219,6 +235,8 @@ def build_app(
                         pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
                         resume_btn = gr.Button(t("resume"), size="sm", min_width=80, elem_id="resume")
                         step_btn = gr.Button(t("step"), size="sm", min_width=80, elem_id="step")
+                        handover_btn = gr.Button(t("next_handover"), size="sm", min_width=80, elem_id="next-handover")
+                        reuse_btn = gr.Button(t("next_reuse"), size="sm", min_width=80, elem_id="next-reuse")
                         slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=3,
                                          elem_id="slow-motion")
                     live_area = gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
@@ -240,7 +258,8 @@ def build_app(
         commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
         api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
 
-        demo.load(on_load, given_key, [live_area, pause_btn, resume_btn, step_btn, slow, start_btn, stop_btn],
+        demo.load(on_load, given_key, [summary_md, live_area, pause_btn, resume_btn, step_btn, slow, start_btn,
+                                       stop_btn, handover_btn, reuse_btn],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
         window_steps.change(set_window, window_steps, None, api_visibility="private", queue=False)
@@ -271,6 +290,10 @@ def build_app(
             resume_btn.click(resume, None, None, api_name="resume", api_visibility=pacing_api, queue=False),
             step_btn.click(step_once, None, None, api_name="step", api_visibility=pacing_api, queue=False,
                            trigger_mode="multiple"),
+            handover_btn.click(next_handover, None, None, api_name="next_handover", api_visibility=pacing_api,
+                               concurrency_limit=None),
+            reuse_btn.click(next_reuse, None, None, api_name="next_block_reuse", api_visibility=pacing_api,
+                            concurrency_limit=None),
             slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False),
         ):
             event.then(None, None, None, js=poll_now, api_visibility="private", queue=False)

@@ -36,6 +36,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 
+from ui import talk
 from ui.i18n import EN, KO, PACE_TEXTS, state_text
 from ui.panels import COUNTER_KEYS, Panels
 
@@ -49,6 +50,7 @@ def pacing_line(engine: Any, end: int | None, lang: str) -> str:
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
     step = getattr(engine, "step_count", None)
     line = L["paused" if getattr(engine, "paused", False) else "running"].format(step=step)
+    line += talk.seek_text(engine, lang)
     slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
     if slow > 0:
         line += L["slow"].format(s=slow)
@@ -141,7 +143,8 @@ class LiveChannel:
     # ------------------------------------------------------------------ frames
     def _counters(self, lang: str) -> list[dict[str, str]]:
         labels = KO if lang == "ko" else EN
-        return [{"key": k, "label": labels[k], "value": v} for k, v in zip(COUNTER_KEYS, self.panels.counters())]
+        return [{"key": k, "label": labels[k], "value": v}
+                for k, v in zip(COUNTER_KEYS, self.panels.counters(lang))]
 
     async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False,
                     figures: bool = True) -> str:

@@ -6,11 +6,13 @@ The prompts and lengths come from :func:`engine.prompts.synthetic_chat` (one lin
 The chats run as asyncio tasks on the server's event loop (the same loop the Gradio handlers run on), each
 one an ordinary ``engine.generate`` stream, so they show up in the panels exactly like browser chats.
 
-Runs: each :meth:`LoadGenerator.start` after the previous run is over (all its chats ended, or
-:meth:`LoadGenerator.stop`) begins a new run, numbered from 1; a start while the current run still has chats
-(or chats still to start) adds to that run. A run's request ids are ``load-<run>-<hex>``, so the engine's
-telemetry can be read per run: the status line's "running" and "waiting" are counted from the newest engine
-step snapshot, the same one the page's Running/Waiting counters come from.
+Runs: every :meth:`LoadGenerator.start` begins a new run, numbered from 1, whose counts start from zero, also
+while an earlier run still has chats: a presenter who presses Start again sees "run 4: 12 requested", the load
+just asked for, not a sum with what is still running. Earlier runs' chats are not cancelled (they end on their
+own, or with :meth:`LoadGenerator.stop`, which ends every run); the status line counts them apart ("+ 5 of
+earlier runs"). A run's request ids are ``load-<run>-<hex>``, so the engine's telemetry can be read per run:
+the status line's "running" and "waiting" are counted from the newest engine step snapshot, the same one the
+page's Running/Waiting counters come from.
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ class LoadStats:
 
 
 _STATUS = {
-    "en": {"none": "no run yet", "queued": " · {} queued",
+    "en": {"none": "no run yet", "queued": " · {} queued", "earlier": " · + {} of earlier runs",
            "line": "run {run}: {requested} requested · {running} running · {waiting} waiting{queued} · "
                    "{finished} finished · {stopped} stopped · {failed} failed"},
-    "ko": {"none": "아직 실행 없음", "queued": " · 전달 중 {}",
+    "ko": {"none": "아직 실행 없음", "queued": " · 전달 중 {}", "earlier": " · 이전 실행 {}개 진행 중",
            "line": "실행 {run}: 요청 {requested} · 실행 중 {running} · 대기 중 {waiting}{queued} · "
                    "완료 {finished} · 중지 {stopped} · 실패 {failed}"},
 }
@@ -88,7 +90,7 @@ class LoadGenerator:
         self._tasks: set[asyncio.Task] = set()  # every run's tasks not yet done (stop() cancels them all)
         self._run_tasks: set[asyncio.Task] = set()  # the current run's tasks not yet done
         self._live: set[str] = set()  # the current run's request ids handed to the engine and not ended
-        self._stopped = True  # the current run was stopped (or none began): the next start begins a new run
+        self._earlier: list[set[str]] = []  # earlier runs' live request ids (chats still going)
         self._counted: tuple | None = None  # (snapshot, run, running ids, waiting ids): status() cache
 
     @property
@@ -151,10 +153,8 @@ class LoadGenerator:
     def start(self, n: int, rate: float, temperature: float = 0.8) -> None:
         """Add ``n`` chats at ``rate`` chats per second (from within the server's event loop).
 
-        If the current run is over (every chat of it ended, or :meth:`stop` was called), this begins a new run:
-        its number is the previous one plus 1 and its counts start from zero. While the current run still has
-        chats running, waiting or still to start, the ``n`` chats are added to that run (its ``requested``
-        grows by ``n``), so the status line keeps counting every synthetic chat the engine holds.
+        Always begins a new run: its number is the previous one plus 1 and its counts start from zero. Chats of
+        earlier runs still going are left alone (the status line counts them apart); :meth:`stop` ends them all.
 
         Args:
             n: number of chats; ``n <= 0`` does nothing.
@@ -170,11 +170,10 @@ class LoadGenerator:
             return
         if rate <= 0:
             raise ValueError(f"rate must be > 0, got {rate}")
-        if self._stopped or not any(not t.done() for t in self._run_tasks):
-            self.stats = LoadStats(run=self.stats.run + 1)
-            self._run_tasks = set()
-            self._live = set()
-            self._stopped = False
+        self._earlier = [live for live in (*self._earlier, self._live) if live]
+        self.stats = LoadStats(run=self.stats.run + 1)
+        self._run_tasks = set()
+        self._live = set()
         self.stats.requested += n
         self._spawn(self._pace(n, rate, temperature, self.stats, self._live, self._run_tasks), self._run_tasks)
 
@@ -185,7 +184,6 @@ class LoadGenerator:
         Returns:
             how many tasks (chats and pacing tasks) were cancelled.
         """
-        self._stopped = True
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
             t.cancel()
@@ -237,5 +235,7 @@ class LoadGenerator:
         running, waiting, ended = self._engine_counts()
         queued = sum(1 for r in self._live if r not in running and r not in waiting and r not in ended)
         queued_part = text["queued"].format(queued) if queued else ""
-        return text["line"].format(run=s.run, requested=s.requested, running=len(running), waiting=len(waiting),
+        earlier = sum(len(live) for live in self._earlier)
+        line = text["line"].format(run=s.run, requested=s.requested, running=len(running), waiting=len(waiting),
                                    queued=queued_part, finished=s.finished, stopped=s.cancelled, failed=s.failed)
+        return line + (text["earlier"].format(earlier) if earlier else "")

@@ -32,7 +32,7 @@ _NAMED_COLORS: tuple[tuple[str, str, str], ...] = (
     ("#B861F6", "violet", "연보라"),
     ("#4CA1D5", "sky blue", "하늘색"),
     ("#226509", "dark green", "진초록"),
-    ("#903770", "plum", "자두색"),
+    ("#886611", "ochre", "황토색"),  # was plum #903770: beside purple it looked the same on a projector
 )
 PALETTE: tuple[str, ...] = tuple(c for c, _, _ in _NAMED_COLORS)  # request colours (hex), 16
 PALETTE_NAMES: dict[str, tuple[str, ...]] = {
@@ -103,7 +103,9 @@ class ColorAssigner:
 
     A new request gets the palette index unused for the longest time among those not held by a
     request seen in the latest update, so the requests on screen at once have distinct colours
-    (as long as there are fewer than ``len(PALETTE)`` of them).
+    (as long as there are fewer than ``len(PALETTE)`` of them). :meth:`reserve` gives a request its colour
+    before it is drawn (a chat's status line names it while the request still waits); a reserved colour
+    counts as held until the request shows up in an update.
     """
 
     def __init__(self, memory: int = 4096) -> None:
@@ -111,21 +113,42 @@ class ColorAssigner:
         self._last_used = [0] * K
         self._tick = itertools.count(1)
         self._memory = memory
+        self._reserved: dict[str, None] = {}  # given a colour before being drawn, oldest first
+        self._on_screen: set[int] = set()  # colours of the requests in the latest update
+
+    def _pick(self, live: set[int]) -> int:
+        free = [i for i in range(K) if i not in live] or list(range(K))
+        return min(free, key=lambda i: self._last_used[i])
+
+    def reserve(self, request_id: str) -> int:
+        """The palette index of ``request_id``, given now if it has none (its colour is then kept for it: it
+        counts as held by a live request until the request is drawn; at most 64 reservations are kept)."""
+        if request_id in self._index:
+            return self._index[request_id]
+        idx = self._pick(self._on_screen | {self._index[r] for r in self._reserved})
+        self._index[request_id] = idx
+        self._last_used[idx] = next(self._tick)
+        self._reserved[request_id] = None
+        while len(self._reserved) > 64:
+            self._reserved.pop(next(iter(self._reserved)))
+        return idx
 
     def update(self, snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
         """Assign colours to the requests in ``snapshots``; return the mapping for all of them."""
         order = request_order(snapshots)
-        live = {self._index[r] for r in order if r in self._index}
+        for rid in order:
+            self._reserved.pop(rid, None)  # drawn now: an ordinary live request
+        live = {self._index[r] for r in order if r in self._index} | {self._index[r] for r in self._reserved}
         for rid in order:
             if rid not in self._index:
-                free = [i for i in range(K) if i not in live] or list(range(K))
-                idx = min(free, key=lambda i: self._last_used[i])
+                idx = self._pick(live)
                 self._index[rid] = idx
                 live.add(idx)
             self._last_used[self._index[rid]] = next(self._tick)
+        self._on_screen = {self._index[r] for r in order}
         if len(self._index) > self._memory:  # forget the oldest entries (dicts keep insertion order)
             for rid in list(self._index)[: len(self._index) - self._memory // 2]:
-                if rid not in order:
+                if rid not in order and rid not in self._reserved:
                     del self._index[rid]
         return {rid: self._index[rid] for rid in order}
 

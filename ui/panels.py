@@ -113,9 +113,10 @@ class Panels:
                     self._cache.pop(next(iter(self._cache)))
             return cached
 
-    def color_name(self, request_id: str, lang: str = "en") -> str | None:
-        """The name of ``request_id``'s colour in the panels (None until it has been drawn)."""
-        index = self.colors.index_of(request_id)
+    def color_name(self, request_id: str, lang: str = "en", reserve: bool = False) -> str | None:
+        """The name of ``request_id``'s colour in the panels (None until it has been drawn, unless ``reserve``:
+        then a request not drawn yet, e.g. queued, is given its colour now)."""
+        index = self.colors.reserve(request_id) if reserve else self.colors.index_of(request_id)
         return None if index is None else figures.color_name(index, lang)
 
     async def _outlined(self, key: tuple, snaps: list, plots: tuple, mine: str, lang: str):
@@ -134,9 +135,9 @@ class Panels:
                 self._mine.pop(next(iter(self._mine)))
         return cached
 
-    def counters(self) -> tuple[str, ...]:
-        """Counter strings in :data:`COUNTER_KEYS` order, from ``telemetry.stats()``."""
-        values = figures.counter_values(self.telemetry.stats())
+    def counters(self, lang: str = "en") -> tuple[str, ...]:
+        """Counter strings in :data:`COUNTER_KEYS` order, from ``telemetry.stats()``, in ``lang``."""
+        values = figures.counter_values(self.telemetry.stats(), figure_labels(lang))
         return tuple(values[k] for k in COUNTER_KEYS)
 
     async def frame_plots(self, window: int, lang: str, mine: str | None = None,
