@@ -23,7 +23,9 @@ Modules, by job:
   subprocesses; ``bench/vllm_worker.py`` and ``bench/vllm_serve_client.py`` run inside vLLM's own venv
   (``bench/peers_setup.sh``); :mod:`bench.hf_export` writes the embedded model as a Hugging Face folder;
 * :mod:`bench.latency` (``python -m bench.latency``): running chats' token gaps while a long prompt is
-  prefilled, and that prompt's time to first token against its prefill alone.
+  prefilled, and that prompt's time to first token against its prefill alone;
+* :mod:`bench.memory_burst` (``python -m bench.memory_burst``): the server's RSS before, during and after
+  a burst of bad bodies and good requests, the server in its own process on 127.0.0.1.
 
 The reference workload W64 is ``bench/w64.json``.
 """

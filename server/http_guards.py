@@ -3,7 +3,8 @@
 - :class:`BodySizeLimit`: a request body over ``max_body_bytes`` is answered 413 without being read
   whole: a ``Content-Length`` over the limit is refused before any byte of the body is read, and a body
   without one (chunked) is counted while it streams in and refused as soon as it passes the limit. At
-  most ``max_body_bytes`` are ever buffered per request.
+  most ``max_body_bytes`` are ever buffered per request. Once a large body has been answered, its
+  memory is given back (:class:`server.memory.MemoryRelease`: cyclic garbage collected, C heap trimmed).
 - :class:`MethodCheck`: a known API path asked with a method it does not serve (``GET
   /v1/chat/completions``) is answered 405 with an ``Allow`` header, even when a catch-all mount
   (the Gradio page at ``/``) would otherwise take it and answer 404.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.memory import MemoryRelease
 from server.options import DEFAULT_MAX_BODY_BYTES
 from server.protocol import APIError
 
@@ -37,16 +39,19 @@ class BodySizeLimit:
         max_body_bytes: the largest body accepted (bytes, >= 1).
         on_reject: called with ``"too_large"`` (413) or ``"invalid"`` (a malformed ``Content-Length``: 400).
         prefixes: the guarded paths (the API's; the page's own routes are left to Gradio).
+        release: told the size of each body read once its request has ended (None: a default
+            :class:`~server.memory.MemoryRelease`, which acts after bodies of 1 MiB or more).
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, on_reject: Callable[[str], None],
-                 prefixes: tuple[str, ...] = ("/v1/",)) -> None:
+                 prefixes: tuple[str, ...] = ("/v1/",), release: MemoryRelease | None = None) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
         self.on_reject = on_reject
         self.prefixes = prefixes
+        self.release = release if release is not None else MemoryRelease()
 
     def _too_large(self) -> APIError:
         self.on_reject("too_large")
@@ -81,7 +86,9 @@ class BodySizeLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_body_bytes:
+                chunks.clear()
                 await _answer(self._too_large(), scope, receive, send)
+                self.release.request_ended(size)
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -90,13 +97,18 @@ class BodySizeLimit:
         replayed = False
 
         async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
+            nonlocal replayed, chunks_message
+            if not replayed:  # handed over once, then not kept here (the app holds the body while it needs it)
                 replayed = True
-                return chunks_message
+                message, chunks_message = chunks_message, {}
+                return message
             return await receive()
 
-        await self.app(scope, replay, send)
+        chunks.clear()
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.release.request_ended(size)
 
 
 class MethodCheck:
