@@ -6,6 +6,13 @@ motion and pauses it in the step right after a waiting request took a finished o
 own chat runs (outlined); then saves the page.
 
     .venv/bin/python scripts/talk_screenshot.py --out docs/talk-mode.png
+
+With ``--blocks`` it takes the block hand-over picture instead: free blocks handed out most recently freed
+first (``--free-block-order mru``), the presenter presses "⏭ Next block reuse", the engine pauses on the step
+where a block freed by one request is taken by another, and the block map shows the blocks taken in that
+step (▷) with one of them hovered: whose it was and the step it was freed.
+
+    .venv/bin/python scripts/talk_screenshot.py --blocks --out docs/block-handover.png
 """
 
 from __future__ import annotations
@@ -46,15 +53,50 @@ def mine_running(engine) -> bool:
     return any(r.startswith("chat-") for r in snap.block_tables)
 
 
+def block_handover(page, engine) -> None:
+    """Press "Next block reuse" until the engine pauses on a step where a block freed by one request is
+    taken by another, scroll to the panels and hover one such block on the block map."""
+    end = time.monotonic() + 300
+    while time.monotonic() < end and not mine_running(engine):
+        time.sleep(0.05)
+    engine.set_min_step_time(0.0)
+    take = None
+    for _ in range(20):
+        page.click("#next-reuse")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not engine.paused:
+            time.sleep(0.05)
+        snap = engine.telemetry.latest()
+        takes = [t for t in snap.block_takes if t.kind == "reused" and t.previous_owner]
+        if takes and engine.paused:
+            take = takes[0]
+            break
+        engine.resume()
+    time.sleep(1.5)  # the panels catch up
+    page.locator("#pacing").scroll_into_view_if_needed()
+    page.evaluate("document.querySelector('#pacing').scrollIntoView({block: 'start'})")
+    if take is not None:  # hover the block: its tooltip says whose it was and when it was freed
+        page.evaluate("""(b) => { const gd = document.querySelector('#blockmap .js-plotly-plot');
+            const cols = gd.data[0].z[0].length;
+            const r = Math.floor(b / cols), c = b % cols;
+            const x = gd.data[0].x ? gd.data[0].x[c] : c, y = gd.data[0].y ? gd.data[0].y[r] : r;
+            window.Plotly.Fx.hover(gd, {xval: x, yval: y}); }""",
+                      take.block_id)
+        time.sleep(0.5)
+    print(f"paused at step {engine.step_count}; block {take and take.block_id} was {take and take.previous_owner}'s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="docs/talk-mode.png")
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--width", type=int, default=1366)
     p.add_argument("--height", type=int, default=768)
+    p.add_argument("--blocks", action="store_true", help="the block hand-over picture (see above)")
     args = p.parse_args()
 
-    engine = AsyncEngine.from_args(max_num_seqs=4, num_blocks=96, block_size=16)
+    order = {"free_block_order": "mru"} if args.blocks else {}
+    engine = AsyncEngine.from_args(max_num_seqs=4, num_blocks=96, block_size=16, **order)
     demo = build_app(engine, refresh_s=0.25, window=48)
     port = _free_port()
     launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -73,12 +115,15 @@ def main() -> None:
             page.fill("#msg textarea", "Explain in a few sentences how a paged KV cache lets many chats share "
                       "one machine.")
             page.click("#send")
-            end = time.monotonic() + 300
-            while time.monotonic() < end and not (handover(engine) and mine_running(engine)):
-                time.sleep(0.01)
-            engine.pause()
-            time.sleep(2.0)  # a few panel refreshes
-            page.evaluate("window.scrollTo(0, 0)")
+            if args.blocks:
+                block_handover(page, engine)
+            else:
+                end = time.monotonic() + 300
+                while time.monotonic() < end and not (handover(engine) and mine_running(engine)):
+                    time.sleep(0.01)
+                engine.pause()
+                time.sleep(2.0)  # a few panel refreshes
+                page.evaluate("window.scrollTo(0, 0)")
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=args.out)
             print(f"paused after step {engine.step_count}; wrote {args.out}")

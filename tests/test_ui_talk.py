@@ -66,4 +66,4 @@ def test_run_to_returns_while_still_running_and_the_line_says_so():
 def test_the_run_to_buttons_are_translated():
     from ui.i18n import EN, KO
 
-    assert EN["next_handover"].startswith("⏭") and KO["next_reuse"] == "⏭ 다음 블록 재사용"
+    assert EN["next_handover"].startswith("▶▶|") and KO["next_reuse"] == "▶▶| 다음 블록 재사용"

@@ -29,7 +29,7 @@ time to first token and time per output token (median / 90th percentile of finis
 hits over the last 64 steps.
 
 **Talk mode.** ‖ Pause holds the engine between two steps (messages queue, streams wait), ▶| Step runs exactly \
-one step, ⏭ Next hand-over / Next block reuse run until a slot or a block changes hands and pause there, slow \
+one step, ▶▶| Next hand-over / Next block reuse run until a slot or a block changes hands and pause there, slow \
 motion makes each step last at least that long, and Look back pins the panels at an earlier step. \
 Each reply's status line says where its request is: queued, prefilling, decoding, preempted, finished.
 """
@@ -52,7 +52,7 @@ HOW_KO = """\
 토큰당 시간(끝난 요청의 중앙값 / 90번째 백분위), 최근 64스텝의 프리픽스 캐시 적중.
 
 **발표 모드.** ‖ 일시 정지는 두 스텝 사이에서 엔진을 멈추고(메시지는 대기, 스트림은 멈춤), ▶| 한 스텝은 정확히 \
-한 스텝만 실행하며, ⏭ 다음 슬롯 인계 / 다음 블록 재사용은 슬롯이나 블록의 주인이 바뀔 때까지 실행한 뒤 \
+한 스텝만 실행하며, ▶▶| 다음 슬롯 인계 / 다음 블록 재사용은 슬롯이나 블록의 주인이 바뀔 때까지 실행한 뒤 \
 그 스텝에서 멈추고, 슬로 모션은 스텝마다 최소 시간을 두고, 되돌아보기는 패널을 이전 스텝에 고정합니다. 각 답변의 \
 상태 줄은 요청이 어디에 있는지(대기, 프리필, 디코딩, 선점, 완료) 알려 줍니다.
 """
@@ -76,7 +76,7 @@ EN = {
     "how_title": "How it works", "how": HOW_EN, "engine": "Engine",
     "pause": "‖ Pause", "resume": "▶ Resume", "step": "▶| Step", "slow_motion": "Slow motion (min. seconds per step)",
     "look_back": "Look back (steps before the newest; 0 = live)",
-    "next_handover": "⏭ Next hand-over", "next_reuse": "⏭ Next block reuse",
+    "next_handover": "▶▶| Next hand-over", "next_reuse": "▶▶| Next block reuse",
     "cmp_note": "Two fresh engines on the loaded model run the same requests: **static** batching (the next batch "
                 "starts when the whole batch is done), then **continuous** (a freed slot is refilled at the next "
                 "step). Rows: batch slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by "
@@ -112,7 +112,7 @@ KO = {
     "how_title": "어떻게 동작하나요?", "how": HOW_KO, "engine": "엔진",
     "pause": "‖ 일시 정지", "resume": "▶ 계속", "step": "▶| 한 스텝", "slow_motion": "슬로 모션 (스텝당 최소 초)",
     "look_back": "되돌아보기 (최신 스텝에서 몇 스텝 전; 0 = 실시간)",
-    "next_handover": "⏭ 다음 슬롯 인계", "next_reuse": "⏭ 다음 블록 재사용",
+    "next_handover": "▶▶| 다음 슬롯 인계", "next_reuse": "▶▶| 다음 블록 재사용",
     "cmp_note": "불러온 모델 위의 새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 "
                 "배치 시작), 이어서 **연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: "
                 "요청이 슬롯을 받음, 회색: 끝난 요청이 자리만 차지한 슬롯. 내 채팅에는 영향이 없습니다.",
