@@ -10,7 +10,9 @@ presenter's chat at once while the load generator runs:
 - slow motion: at 0.5 s per step, how many engine steps were never drawn;
 - lag: at full speed, sampled every 0.1 s, how long the engine's step after the drawn one had existed
   (0 when the drawn step is the newest);
-- the engine's generated tokens/s over the same load with no page open and with the tabs open.
+- the engine's generated tokens/s over the same load with no page open and with the tabs open; and with
+  the same number of tabs simulated by plain HTTP pollers in another process (the server's share of the
+  cost, without the browser's drawing on the same cores).
 
 Figures are p50 / p90 over the samples. The CPU (flags) and dtype are printed with them.
 """
@@ -123,6 +125,56 @@ def start_load(page, n: int = 64, rate: float = 20.0) -> None:
     page.click("#start-load")
 
 
+def poll_like_tabs(url: str, tabs: int, seconds: float) -> None:
+    """Poll ``/cbp/live`` as ``tabs`` visible tabs would (every 0.2 s, figures on), for ``seconds``; run in its
+    own process (``--poll-worker``) so the pollers take none of the server process's time."""
+    import threading
+
+    import httpx
+
+    end = time.monotonic() + seconds
+
+    def one(n: int) -> None:
+        key = ""
+        with httpx.Client(timeout=10) as client:
+            while time.monotonic() < end:
+                frame = client.get(url + "cbp/live", params={"session": f"poller-{n}", "since": key, "figs": 1}).json()
+                key = frame.get("key") or key
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(tabs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def fresh_load(context, url: str) -> None:
+    """Start a load-generator run from a page that is closed at once (no tab left drawing)."""
+    page = context.new_page()
+    page.goto(url)
+    start_load(page)
+    page.close()
+    time.sleep(3)
+
+
+def server_share(context, url: str, engine, tabs: int, seconds: float) -> tuple[float, float]:
+    """Engine tokens/s with no page or poller and with ``tabs`` pollers in another process (load restarted
+    for each)."""
+    import subprocess
+    import sys
+
+    fresh_load(context, url)
+    alone = tokens_per_s(engine, seconds)
+    fresh_load(context, url)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.page_latency", "--poll-worker", url, str(tabs),
+                             str(seconds + 2)])
+    time.sleep(1)
+    polled = tokens_per_s(engine, seconds)
+    proc.wait()
+    return alone, polled
+
+
 def tokens_per_s(engine, seconds: float) -> float:
     """Generated tokens per second over the next ``seconds``, from the engine's own counters."""
     t0, n0 = time.monotonic(), engine.telemetry.stats().get("generated_tokens", 0)
@@ -139,7 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight model instead of SmolLM2")
     p.add_argument("--refresh", type=float, default=0.2, help="the page's poll period (--refresh of app.py)")
     p.add_argument("--chromium", default="/usr/bin/chromium")
+    p.add_argument("--poll-worker", nargs=3, metavar=("URL", "TABS", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.poll_worker:
+        url, tabs, seconds = args.poll_worker
+        poll_like_tabs(url, int(tabs), float(seconds))
+        return
 
     from playwright.sync_api import sync_playwright
 
@@ -171,11 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             browser = pw.chromium.launch(executable_path=args.chromium, args=CHROMIUM_FLAGS)
             ctx = browser.new_context(viewport={"width": 1366, "height": 768})
             print("first panel after page load (idle engine):", fmt(first_panel(ctx, url, 5)))
-            starter = ctx.new_page()
-            starter.goto(url)
-            start_load(starter)
-            starter.close()  # the run goes on in the server with no page open
-            time.sleep(3)
+            fresh_load(ctx, url)  # the run goes on in the server with no page open
             base_tps = tokens_per_s(engine, args.seconds)
             print(f"engine alone (no page open), load generator running: {base_tps:.1f} generated tok/s")
             presenter = ctx.new_page()
@@ -201,6 +254,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{label}] engine with the page open: {tps:.1f} generated tok/s ({tps / base_tps:.2f}x alone)")
                 for g in guests:
                     g.close()
+            presenter.close()
+            for tabs in (1, args.tabs):
+                alone, polled = server_share(ctx, url, engine, tabs, args.seconds)
+                print(f"[{tabs} polling tabs, another process, no browser drawing] engine {polled:.1f} vs "
+                      f"{alone:.1f} generated tok/s alone ({polled / alone:.2f}x)")
             browser.close()
         polls = demo.cbp_live.polls
         print(f"frames served: {polls}; figure builds: {demo.cbp_panels.builds}")
