@@ -1,10 +1,13 @@
 """Per-session chat: stream a reply from ``engine.generate`` into the tab's Chatbot, Stop aborts it.
 
 Each browser tab (Gradio session) keeps its own conversation in its own ``gr.Chatbot`` value; the engine
-renders it with the model's chat template. The handler is an async generator, so many tabs stream at once
-on Gradio's event loop (the event is registered with ``concurrency_limit=None``) while the engine thread
-computes. Leaving the stream (Stop, a closed tab, a cancelled task) aborts the request in the engine,
-which frees its KV blocks at its next step (at once while the engine is paused).
+renders it with the model's chat template. :meth:`ChatHandlers.respond` is an async generator over the
+engine's stream. The page runs it in a background task (:meth:`ChatHandlers.start`): the tab reads the
+reply through its polls (:meth:`ChatHandlers.live_reply`, :mod:`ui.live`) and :meth:`ChatHandlers.commit`
+writes the ended turn into the chatbot, so no event holds a connection while a reply streams. The ``/chat``
+API streams it as one event (:meth:`ChatHandlers.respond_api`). Leaving the stream (Stop, Clear, a closed
+tab, a cancelled task) aborts the request in the engine, which frees its KV blocks at its next step (at
+once while the engine is paused).
 
 Every reply has a status line of its own (a Chatbot "thought" message above the reply, ``metadata.title``)
 that says where the request is, polled from the engine's telemetry a few times a second: sent, queued
@@ -414,7 +417,3 @@ class ChatHandlers:
         session = session_of(request)
         self.abort_session(session, self._cleared)
         self.forget(session)
-
-    def unload(self, request: gr.Request) -> None:
-        """When a tab closes, abort what it was still streaming (same as :meth:`stop`)."""
-        self.stop(request)
