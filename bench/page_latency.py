@@ -14,6 +14,14 @@ presenter's chat at once while the load generator runs:
   the same number of tabs simulated by plain HTTP pollers in another process (the server's share of the
   cost, without the browser's drawing on the same cores).
 
+The tab rounds run twice: all tabs visible (headless Chromium treats every page as visible, as if each
+tab were its own window side by side: the worst case), and with every tab but the presenter's in the
+background, as in one desktop browser window where only the front tab is shown. Headless Chromium cannot
+put a tab in the background, so that round marks the guests hidden with an init script
+(``document.hidden`` true, ``visibilityState`` "hidden"): the page's script then polls once a second
+without figures, as it does in a real background tab (Chromium throttles background timers to once a
+second as well).
+
 Figures are p50 / p90 over the samples. The CPU (flags) and dtype are printed with them.
 """
 
@@ -52,6 +60,12 @@ def cpu_flags() -> str:
 
 def history(page) -> list[tuple[float, int]]:
     return [tuple(x) for x in page.evaluate("() => window.cbpLive.history")]
+
+
+HIDDEN_TAB_JS = """
+Object.defineProperty(Document.prototype, "hidden", {get: () => true, configurable: true});
+Object.defineProperty(Document.prototype, "visibilityState", {get: () => "hidden", configurable: true});
+"""
 
 
 def first_panel(context, url: str, loads: int) -> list[float]:
@@ -125,8 +139,9 @@ def start_load(page, n: int = 64, rate: float = 20.0) -> None:
     page.click("#start-load")
 
 
-def poll_like_tabs(url: str, tabs: int, seconds: float) -> None:
-    """Poll ``/cbp/live`` as ``tabs`` visible tabs would (every 0.2 s, figures on), for ``seconds``; run in its
+def poll_like_tabs(url: str, tabs: int, seconds: float, background: int = 0) -> None:
+    """Poll ``/cbp/live`` as ``tabs`` tabs would, for ``seconds``: visible ones every 0.2 s with figures, the
+    last ``background`` of them every 1 s without (as the page's script does in a hidden tab); run in its
     own process (``--poll-worker``) so the pollers take none of the server process's time."""
     import threading
 
@@ -136,11 +151,13 @@ def poll_like_tabs(url: str, tabs: int, seconds: float) -> None:
 
     def one(n: int) -> None:
         key = ""
+        hidden = n >= tabs - background
         with httpx.Client(timeout=10) as client:
             while time.monotonic() < end:
-                frame = client.get(url + "cbp/live", params={"session": f"poller-{n}", "since": key, "figs": 1}).json()
+                frame = client.get(url + "cbp/live", params={"session": f"poller-{n}", "since": key,
+                                                             "figs": 0 if hidden else 1}).json()
                 key = frame.get("key") or key
-                time.sleep(0.2)
+                time.sleep(1.0 if hidden else 0.2)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(tabs)]
     for t in threads:
@@ -158,9 +175,9 @@ def fresh_load(context, url: str) -> None:
     time.sleep(3)
 
 
-def server_share(context, url: str, engine, tabs: int, seconds: float) -> tuple[float, float]:
-    """Engine tokens/s with no page or poller and with ``tabs`` pollers in another process (load restarted
-    for each)."""
+def server_share(context, url: str, engine, tabs: int, seconds: float, background: int = 0) -> tuple[float, float]:
+    """Engine tokens/s with no page or poller and with ``tabs`` pollers (``background`` of them as hidden
+    tabs) in another process (load restarted for each)."""
     import subprocess
     import sys
 
@@ -168,7 +185,7 @@ def server_share(context, url: str, engine, tabs: int, seconds: float) -> tuple[
     alone = tokens_per_s(engine, seconds)
     fresh_load(context, url)
     proc = subprocess.Popen([sys.executable, "-m", "bench.page_latency", "--poll-worker", url, str(tabs),
-                             str(seconds + 2)])
+                             str(seconds + 2), str(background)])
     time.sleep(1)
     polled = tokens_per_s(engine, seconds)
     proc.wait()
@@ -191,11 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight model instead of SmolLM2")
     p.add_argument("--refresh", type=float, default=0.2, help="the page's poll period (--refresh of app.py)")
     p.add_argument("--chromium", default="/usr/bin/chromium")
-    p.add_argument("--poll-worker", nargs=3, metavar=("URL", "TABS", "SECONDS"), help=argparse.SUPPRESS)
+    p.add_argument("--poll-worker", nargs=4, metavar=("URL", "TABS", "SECONDS", "BACKGROUND"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.poll_worker:
-        url, tabs, seconds = args.poll_worker
-        poll_like_tabs(url, int(tabs), float(seconds))
+        url, tabs, seconds, background = args.poll_worker
+        poll_like_tabs(url, int(tabs), float(seconds), int(background))
         return
 
     from playwright.sync_api import sync_playwright
@@ -234,17 +251,23 @@ def main(argv: list[str] | None = None) -> None:
             presenter = ctx.new_page()
             presenter.goto(url)
             presenter.wait_for_function("() => window.cbpLive && window.cbpLive.history.length > 0")
-            for label, extra in (("1 tab", 0), (f"{args.tabs} tabs", args.tabs - 1)):
+            rounds = (("1 tab", 0, False), (f"{args.tabs} tabs, all visible", args.tabs - 1, False),
+                      (f"{args.tabs} tabs, {args.tabs - 1} in the background", args.tabs - 1, True))
+            for label, extra, background in rounds:
                 guests = []
                 for i in range(extra):
                     g = ctx.new_page()
+                    if background:
+                        g.add_init_script(HIDDEN_TAB_JS)
                     g.goto(url)
-                    g.wait_for_function("() => window.cbpLive && window.cbpLive.history.length > 0")
+                    g.wait_for_function("() => window.cbpLive && (window.cbpLive.frames || 0) > 0")
                     g.fill("#msg textarea", f"Tab {i}: tell me a long story about the sea.")
                     g.click("#send")
                     guests.append(g)
                 start_load(presenter)  # keeps every batch slot busy through the timed phases
                 time.sleep(2)
+                if extra:
+                    print(f"[{label}] first panel of one more tab:", fmt(first_panel(ctx, url, 3)))
                 presenter.bring_to_front()
                 print(f"[{label}] step press -> panels:", fmt(step_latency(presenter, engine, args.presses)))
                 made, skipped = slow_motion_skips(presenter, engine, args.seconds)
@@ -255,10 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                 for g in guests:
                     g.close()
             presenter.close()
-            for tabs in (1, args.tabs):
-                alone, polled = server_share(ctx, url, engine, tabs, args.seconds)
-                print(f"[{tabs} polling tabs, another process, no browser drawing] engine {polled:.1f} vs "
-                      f"{alone:.1f} generated tok/s alone ({polled / alone:.2f}x)")
+            for tabs, background in ((1, 0), (args.tabs, 0), (args.tabs, args.tabs - 1)):
+                alone, polled = server_share(ctx, url, engine, tabs, args.seconds, background)
+                print(f"[{tabs} polling tabs ({background} as background tabs), another process, no browser "
+                      f"drawing] engine {polled:.1f} vs {alone:.1f} generated tok/s alone ({polled / alone:.2f}x)")
             browser.close()
         polls = demo.cbp_live.polls
         print(f"frames served: {polls}; figure builds: {demo.cbp_panels.builds}")
