@@ -100,3 +100,31 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     return _impl(query).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out=out, **kw
     )
+
+
+def _layer_impl(t: torch.Tensor):
+    """The decoder-layer elementwise ops: the C++ ones on CPU tensors when the attention backend there is
+    ``cpp`` (or automatic and built), else torch (CUDA tensors too)."""
+    if t.device.type == "cpu" and _FORCED != "torch" and (_FORCED == "cpp" or cpp_available()):
+        return _cpu_ops
+    return torch_ops
+
+
+def rms_norm(x, weight, eps, out=None):
+    """RMSNorm of each row of ``x`` ``[num_tokens, hidden]``; see :func:`kernels.torch_ops.rms_norm`."""
+    return _layer_impl(x).rms_norm(x, weight, eps, out=out)
+
+
+def fused_add_rms_norm(x, residual, weight, eps) -> None:
+    """In place ``residual += x; x = rms_norm(residual)``; see :func:`kernels.torch_ops.fused_add_rms_norm`."""
+    return _layer_impl(x).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(positions, q, k, cos, sin, head_dim) -> None:
+    """RoPE in place on ``q`` and ``k``; see :func:`kernels.torch_ops.rotary_embedding`."""
+    return _layer_impl(q).rotary_embedding(positions, q, k, cos, sin, head_dim)
+
+
+def silu_and_mul(x, out=None):
+    """``silu(gate) * up`` of ``x`` ``[num_tokens, 2 * I]``; see :func:`kernels.torch_ops.silu_and_mul`."""
+    return _layer_impl(x).silu_and_mul(x, out=out)

@@ -32,7 +32,8 @@ import torch
 
 from kernels import torch_ops
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp"]  # both include cpu_vec.h
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -144,7 +145,8 @@ def _build():
     try:
         mod = cpp_extension.load(
             name=name,
-            sources=[str(_SRC)],
+            sources=[str(s) for s in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             build_directory=build_dir,
@@ -249,4 +251,46 @@ def paged_attention(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale))
+    return out
+
+
+def _rows_ok(*ts: torch.Tensor) -> bool:
+    """2-D CPU tensors of one supported dtype with contiguous rows (what the C++ layer ops take)."""
+    dt = ts[0].dtype
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == dt and t.device.type == "cpu" for t in ts) and \
+        dt in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as :func:`kernels.torch_ops.rms_norm`, one pass per row in C++."""
+    if out is None:
+        out = torch.empty_like(x)
+    if not (_rows_ok(x, out) and weight.dtype == x.dtype and weight.is_contiguous()):
+        return torch_ops.rms_norm(x, weight, eps, out=out)
+    load().rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Same contract as :func:`kernels.torch_ops.fused_add_rms_norm`, one pass per row in C++."""
+    if not (_rows_ok(x, residual) and weight.dtype == x.dtype and weight.is_contiguous()):
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+    load().fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, head_dim: int) -> None:
+    """Same contract as :func:`kernels.torch_ops.rotary_embedding`, in place in C++."""
+    if not (_rows_ok(q, k, cos, sin) and positions.dtype == torch.int64 and positions.is_contiguous()):
+        return torch_ops.rotary_embedding(positions, q, k, cos, sin, head_dim)
+    load().rotary_embedding(positions, q, k, cos, sin, int(head_dim))
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as :func:`kernels.torch_ops.silu_and_mul`, one pass in C++."""
+    if out is None:
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    if not _rows_ok(x, out):
+        return torch_ops.silu_and_mul(x, out=out)
+    load().silu_and_mul(out, x)
     return out

@@ -155,3 +155,60 @@ def _decode_attention(query, key_cache, value_cache, block_tables, lens, qsl, de
         out[tok[0] : tok[0] + n] = o
     else:
         out[torch.tensor(tok, device=dev)] = o
+
+
+# --- the elementwise operations of a Llama-family decoder layer (the C++ path's oracle) -------------
+# Each computes what transformers' modules compute, rounding to the storage dtype at the same places.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of each row: ``weight * round(x / sqrt(mean(x^2) + eps))``, the sum in float32.
+
+    Args:
+        x: ``[num_tokens, hidden]``; weight: ``[hidden]``, same dtype; eps: added to the mean square.
+        out: optional ``[num_tokens, hidden]`` destination.
+
+    Returns:
+        ``[num_tokens, hidden]`` in ``x.dtype`` (``out`` when given).
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * h.to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual = x + residual`` (rounded to the dtype), then ``x = rms_norm(residual)``.
+    Both ``[num_tokens, hidden]``; returns None."""
+    residual.add_(x)
+    rms_norm(residual, weight, eps, out=x)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, head_dim: int) -> None:
+    """Rotary position embedding in place, rotate-half (GPT-NeoX) layout, as transformers' Llama applies it.
+
+    Args:
+        positions: ``[num_tokens]`` int64 token positions (rows of the tables).
+        q: ``[num_tokens, num_heads * head_dim]``; k: ``[num_tokens, num_kv_heads * head_dim]``; rows
+            may be strided (views into one fused QKV output), elements contiguous.
+        cos, sin: ``[max_positions, head_dim // 2]`` tables in ``q.dtype``.
+        head_dim: elements per head.
+    """
+    half = head_dim // 2
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    for t in (q, k):
+        v = t.view(t.shape[0], -1, head_dim) if t.is_contiguous() else t.unflatten(1, (-1, head_dim))
+        x1, x2 = v[..., :half], v[..., half:]
+        o1 = x1 * c - x2 * s
+        o2 = x2 * c + x1 * s
+        x1.copy_(o1)
+        x2.copy_(o2)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` ``[num_tokens, 2 * I]`` (gate then up); returns ``[num_tokens, I]``."""
+    i = x.shape[-1] // 2
+    y = F.silu(x[..., :i]) * x[..., i:]
+    return y if out is None else out.copy_(y)
