@@ -1,24 +1,23 @@
 """Linear layers on weights prepacked for oneDNN (CPU inference).
 
-:func:`prepack_linears` replaces the ``nn.Linear`` modules of a transformers decoder (the projections
-inside its decoder layers, and optionally ``lm_head``) by :class:`PackedLinear`, which keeps the weight
-reordered once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and calls
-``torch.ops.mkldnn._linear_pointwise``: no per-call weight reorder. Each distinct weight shape is
-calibrated first, on random inputs of a few row counts: it is packed only where the packed call gives
-bit-identical results to ``F.linear`` and measures faster. On this kind of CPU (AVX512-BF16) that
-holds for bfloat16 (1.4-2x at 1-8 rows, ~1.1x at 64, ~1.0x at 256+ rows); float32 results differ
-in the last bits (oneDNN's summation order differs from MKL's), so float32 stays on ``F.linear``;
-float16 packing needs AVX512-FP16 / AVX-NE-CONVERT.
+:class:`PackedLinear` keeps a weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) and calls ``torch.ops.mkldnn._linear_pointwise``: no
+per-call weight reorder. Whether a weight is packed is decided by the CPU's features, the dtype and one
+deterministic check, never by timings taken at start-up (two starts on a busy machine would otherwise
+run different kernels): :func:`packs` says yes for bfloat16 weights on CPUs with native bfloat16
+(AVX512-BF16 or AMX-BF16), where the packed call measured faster at every row count the engine runs
+(docs/performance.md), when the packed call gives results bit-identical to ``F.linear`` on a fixed
+input (:func:`packed_equal`). float32 results differ in the last bits (oneDNN's summation order differs
+from MKL's), so float32 stays on ``F.linear``; float16 packing needs AVX512-FP16 / AVX-NE-CONVERT.
 
-The replaced modules have no ``weight`` parameter (the packed tensor is an opaque oneDNN tensor, kept
-as a non-persistent buffer): call this after loading weights, for inference only (no autograd). With
-tied embeddings, packing ``lm_head`` keeps the embedding matrix and adds a packed copy (its size).
+:func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
+replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
+transformers' modules). The packed tensor is an opaque oneDNN tensor: inference only (no autograd).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +37,14 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` prepacked for oneDNN. Same inputs and outputs as the ``nn.Linear``
-    it replaces (any leading dimensions)."""
+    it replaces (any leading dimensions). ``weight`` stays readable (the original tensor, not a
+    parameter, no copy), so the engine's own forward can still be built from a packed model."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.weight = linear.weight.detach()
         with torch.no_grad():
             self.register_buffer("packed_weight", _pack(linear.weight) if packed is None else packed, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -55,48 +56,97 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
 
 
-def _median_time(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-_VERDICTS: dict[tuple, tuple[bool, float]] = {}  # per process: (shape, dtype, bias, rows) -> calibrate()
-
-
-def calibrate(linear: nn.Linear, rows=(1, 16, 64), reps: int = 3, seed: int = 0) -> tuple[bool, float]:
-    """Check a linear layer's shape: ``(equal, speedup)``, where ``equal`` says that the packed call
-    gives bit-identical outputs to ``F.linear`` for every row count in ``rows`` and ``speedup`` is the
-    geometric mean of ``time(F.linear) / time(packed)`` over them (A/B interleaved, medians).
-    ``(False, 0.0)`` when the packed call is not supported here."""
-    w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+def native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16; Linux CPU flags)."""
     try:
-        packed = _pack(w)
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_EQUAL: dict[tuple, bool] = {}  # per process: (out, in, dtype, bias) -> packed_equal()
+
+
+def packed_equal(weight: torch.Tensor, bias: torch.Tensor | None = None, rows=(1, 16, 64), seed: int = 0) -> bool:
+    """Whether the packed oneDNN call gives outputs bit-identical to ``F.linear`` for ``weight``
+    ``[out, in]`` (and ``bias``) on fixed random inputs of each row count in ``rows``; False when the
+    packed call is not supported here. Deterministic: no timing."""
+    key = (*weight.shape, weight.dtype, bias is not None, tuple(rows))
+    if key in _EQUAL:
+        return _EQUAL[key]
+    ok = True
+    try:
+        packed = _pack(weight)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for r in rows:
+                x = torch.randn(r, weight.shape[1], generator=g).to(weight.dtype)
+                y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                if not torch.equal(y, F.linear(x, weight, bias)):
+                    ok = False
+                    break
     except RuntimeError:
-        return False, 0.0
-    g = torch.Generator().manual_seed(seed)
-    logs = []
-    with torch.no_grad():
-        for r in rows:
-            x = torch.randn(r, linear.in_features, generator=g).to(w.dtype)
-            try:
-                y_ref = F.linear(x, w, b)
-                y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            except RuntimeError:
-                return False, 0.0
-            if not torch.equal(y, y_ref):
-                return False, 0.0
-            t_ref, t_pk = [], []
-            for _ in range(2):  # alternate A/B
-                t_ref.append(_median_time(lambda x=x: F.linear(x, w, b), reps))
-                t_pk.append(_median_time(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
-                                         reps))
-            logs.append(torch.tensor(min(t_ref) / min(t_pk)).log())
-    return True, float(torch.stack(logs).mean().exp())
+        ok = False
+    _EQUAL[key] = ok
+    _log.debug("prepack %s %s: equal=%s", tuple(weight.shape), weight.dtype, ok)
+    return ok
+
+
+def packs(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """The packing rule: a CPU bfloat16 weight, on a CPU with native bfloat16, whose packed call is
+    bit-identical to ``F.linear`` (:func:`packed_equal`)."""
+    return (available() and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16()
+            and packed_equal(weight, bias))
+
+
+BATCH_INVARIANT_ROWS = 32  # the fixed row tile of batch-invariant linears (rows)
+
+
+class Linear:
+    """``y = x W^T + b`` for the engine's forward: prepacked for oneDNN where :func:`packs` says so,
+    else ``F.linear`` on the weight as given (no copy).
+
+    Batch invariance (``row_tile``): a GEMM library picks its kernel and its summation order from the
+    row count M (MKL's float32 ``M = 1`` is a GEMV; oneDNN's bfloat16 LM head changes order from
+    M = 63), so a row's result depends on how many other rows share the call. With ``row_tile = R`` every
+    call has exactly R rows (the input is cut into tiles of R rows, the last one padded with zeros): a
+    row's result then depends on its own values only, whatever its neighbours and its place in the tile
+    (checked for R = 16, 32, 64 in tests/test_batch_invariance.py). The idea is that of Thinking
+    Machines' "Defeating Nondeterminism in LLM Inference" (2025), done here by fixing the shape
+    instead of writing batch-invariant kernels.
+
+    Args:
+        weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None.
+        row_tile: None (one call on all rows: fastest), or the fixed rows of every call.
+
+    Call with ``x`` ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]`` in the weight's dtype.
+    """
+
+    __slots__ = ("weight", "bias", "packed", "out_features", "row_tile")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = weight.shape[0]
+        self.packed = _pack(self.weight) if packs(self.weight, self.bias) else None
+        self.row_tile = row_tile
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.row_tile
+        if r is None or x.shape[0] == r:
+            return self._call(x)
+        m = x.shape[0]
+        pad = -m % r
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+        return torch.cat([self._call(x[i : i + r]) for i in range(0, m + pad, r)])[:m]
 
 
 def _targets(model: nn.Module, lm_head: bool):
@@ -113,15 +163,13 @@ def _targets(model: nn.Module, lm_head: bool):
     return out
 
 
-def prepack_linears(model: nn.Module, *, lm_head: bool = True, min_speedup: float = 1.03,
-                    rows=(1, 16, 64)) -> int:
+def prepack_linears(model: nn.Module, *, lm_head: bool = True) -> int:
     """Replace the decoder layers' ``nn.Linear`` modules (and ``lm_head`` if ``lm_head``) by
-    :class:`PackedLinear` where, for their weight's shape and dtype, the packed oneDNN call gives equal
-    results and is at least ``min_speedup`` times faster (see :func:`calibrate`). CPU models only.
+    :class:`PackedLinear` where :func:`packs` says so for their weight. CPU models only.
 
     Returns:
         The number of modules replaced (0 when oneDNN is unavailable, the model is not on the CPU, or
-        no shape qualifies).
+        no weight qualifies).
     """
     if not available():
         return 0
@@ -130,12 +178,7 @@ def prepack_linears(model: nn.Module, *, lm_head: bool = True, min_speedup: floa
         return 0
     n = 0
     for parent, attr, _name, lin in targets:
-        key = (lin.out_features, lin.in_features, lin.weight.dtype, lin.bias is not None, tuple(rows))
-        if key not in _VERDICTS:
-            _VERDICTS[key] = calibrate(lin, rows=rows)
-            _log.debug("prepack %s %s: equal=%s speedup=%.2f", tuple(key[:2]), key[2], *_VERDICTS[key])
-        equal, speedup = _VERDICTS[key]
-        if equal and speedup >= min_speedup:
+        if packs(lin.weight, lin.bias):
             setattr(parent, attr, PackedLinear(lin))
             n += 1
     return n
