@@ -165,7 +165,9 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
         else:
             attention = f"torch paged attention (C++ kernel unavailable: {unavailable_reason()})"
         packed = getattr(runner, "num_prepacked_linears", 0)
-        lines.append(f"kernels  {attention}; {packed} linear layers on oneDNN-packed weights; "
+        forward = "the engine's own forward" if getattr(runner, "own_forward", None) is not None else \
+            "transformers' modules"
+        lines.append(f"kernels  {forward}; {attention}; {packed} linear layers on oneDNN-packed weights; "
                      f"{torch.get_num_threads()} threads")
     else:
         lines.append("kernels  Triton paged attention")

@@ -19,7 +19,7 @@ from engine.telemetry import StepSnapshot, percentile
 
 __all__ = [
     "ForwardClock", "RequestRecord", "StepRecord", "SystemRun", "environment", "format_multiturn", "format_table",
-    "forward_clock", "kv_from_snapshot", "percentile", "step_series", "summarize",
+    "engine_forward_clock", "forward_clock", "kv_from_snapshot", "percentile", "step_series", "summarize",
 ]
 
 
@@ -36,7 +36,7 @@ class ForwardClock:
         self.seconds = 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of every call, time.perf_counter()
         self._inner = model.forward
-        self._cuda = next(model.parameters()).device.type == "cuda"
+        self._cuda = torch.cuda.is_available() and _device_of(model).type == "cuda"
 
         def forward(*args, **kwargs):
             if self._cuda:
@@ -66,8 +66,22 @@ class ForwardClock:
             del self.model._cbp_forward_clock
 
 
+def _device_of(model) -> torch.device:
+    if hasattr(model, "parameters"):
+        return next(model.parameters()).device
+    return model.embed.device  # the engine's own forward (engine.models)
+
+
+def engine_forward_clock(core) -> ForwardClock:
+    """The clock of the forward an :class:`engine.core.EngineCore` runs: its own forward, or the
+    transformers model's."""
+    own = core.runner.own_forward
+    return forward_clock(own if own is not None else core.model)
+
+
 def forward_clock(model) -> ForwardClock:
-    """The model's :class:`ForwardClock`, installed on first use."""
+    """The :class:`ForwardClock` of ``model`` (a transformers model, or the engine's own forward object,
+    whose ``forward`` method the engine calls), installed on first use."""
     clock = getattr(model, "_cbp_forward_clock", None)
     if clock is None:
         clock = ForwardClock(model)

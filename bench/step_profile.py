@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import time
 
-from bench.metrics import forward_clock
+from bench.metrics import engine_forward_clock
 from bench.workloads import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -36,7 +36,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     Returns:
         ``{"parts_ms": {part: mean ms per step}, "step_ms": mean, "num_running": n, "context": tokens,
         "forward_ms": mean ms in the model's forward, "torch_table": str or None, "tokens_per_s": decode
-        tokens/s at this batch}``.
+        tokens/s at this batch, "forward": which forward ran, "floor": :func:`step_floor` measured in the
+        same run}``.
     """
     import kernels
 
@@ -77,7 +78,7 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         (kernels, "reshape_and_cache", "attention (cache write)"),
     ]
     originals = [(obj, name, wrap(obj, name, part)) for obj, name, part in targets]
-    clock = forward_clock(model)
+    clock = engine_forward_clock(core)
     _, f0 = clock.read()
     t = time.perf_counter()
     for _ in range(steps):
@@ -105,17 +106,75 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     ctx = sum(r.num_tokens for r in core.scheduler.running) / max(1, len(core.scheduler.running))
     out = {"parts_ms": parts, "step_ms": 1000 * total / steps, "num_running": len(core.scheduler.running),
            "context": ctx, "forward_ms": 1000 * fwd / steps, "torch_table": table,
-           "tokens_per_s": len(core.scheduler.running) / (total / steps)}
+           "tokens_per_s": len(core.scheduler.running) / (total / steps), "forward": "own" if core.runner.own_forward is not None else "transformers",
+           "floor": step_floor(model, len(core.scheduler.running), ctx, machine_rates(core.runner.dtype))}
     del core
     gc.collect()
     return out
 
 
+def machine_rates(dtype, seconds: float = 1.0) -> dict:
+    """This machine's matmul rate and memory bandwidth, measured now (for the step's physical floor).
+
+    Returns:
+        ``{"matmul_gflops": best GFLOP/s of a [2048 x 2048] x [2048 x 2048] matmul in ``dtype``,
+        "bandwidth_gbs": best GB/s (bytes read + written) of copying a 256 MiB tensor}``.
+    """
+    import torch
+
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    src = torch.empty(64 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+
+    def best(fn, budget: float) -> float:
+        fn()
+        ts, end = [], time.perf_counter() + budget
+        while time.perf_counter() < end or len(ts) < 3:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    mm = best(lambda: torch.mm(a, b), seconds / 2)
+    cp = best(lambda: dst.copy_(src), seconds / 2)
+    return {"matmul_gflops": 2 * 2048**3 / mm / 1e9, "bandwidth_gbs": 2 * src.numel() * 4 / cp / 1e9}
+
+
+def step_floor(model, num_rows: int, context: float, rates: dict) -> dict:
+    """The physical floor of one decode step of ``num_rows`` sequences of mean ``context`` tokens:
+    (FLOPs of the step / matmul rate) + (KV bytes read / memory bandwidth), in milliseconds.
+
+    FLOPs: 2 x rows x the weights of the decoder's linear layers and the LM head, plus attention's
+    4 x rows x context x heads x head_dim per layer. KV bytes: every row reads its context's K and V in
+    every layer."""
+    from engine.model_runner import kv_cache_shape
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers, kvh, hd = kv_cache_shape(model.config)
+    linear = sum(m.weight.numel() for n, m in model.named_modules()
+                 if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
+                 and (".layers." in f".{n}" or n == "lm_head"))
+    elem = next(model.parameters()).element_size()
+    flops = 2 * num_rows * linear + 4 * num_rows * context * cfg.num_attention_heads * hd * layers
+    kv_bytes = num_rows * context * layers * kvh * hd * 2 * elem
+    compute_ms = 1000 * flops / (rates["matmul_gflops"] * 1e9)
+    memory_ms = 1000 * kv_bytes / (rates["bandwidth_gbs"] * 1e9)
+    return {"gflop": flops / 1e9, "kv_mb": kv_bytes / 1e6, "compute_ms": compute_ms, "memory_ms": memory_ms,
+            "floor_ms": compute_ms + memory_ms, **rates}
+
+
 def print_profile(p: dict) -> None:
     """Print :func:`profile_decode_step`'s result."""
-    print(f"\n== one decode step: {p['num_running']} running requests, mean context {p['context']:.0f} tokens ==")
+    print(f"\n== one decode step: {p['num_running']} running requests, mean context {p['context']:.0f} tokens, "
+          f"{p.get('forward', '?')} forward ==")
     print(f"step {p['step_ms']:.1f} ms ({p['tokens_per_s']:.0f} tokens/s at this batch), "
           f"model forward {p['forward_ms']:.1f} ms ({100 * p['forward_ms'] / p['step_ms']:.1f}% of the step)")
+    f = p.get("floor")
+    if f:
+        print(f"physical floor {f['floor_ms']:.1f} ms = {f['gflop']:.1f} GFLOP at {f['matmul_gflops']:.0f} GFLOP/s "
+              f"({f['compute_ms']:.1f} ms) + {f['kv_mb']:.0f} MB of KV at {f['bandwidth_gbs']:.0f} GB/s "
+              f"({f['memory_ms']:.1f} ms); step / floor = {p['step_ms'] / f['floor_ms']:.2f}")
     for k, v in sorted(p["parts_ms"].items(), key=lambda kv: -kv[1]):
         print(f"  {k:<46} {v:8.2f} ms  {100 * v / p['step_ms']:5.1f}%")
     if p.get("torch_table"):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.metrics import RequestRecord, StepRecord, SystemRun, forward_clock, kv_from_snapshot
+from bench.metrics import RequestRecord, StepRecord, SystemRun, engine_forward_clock, forward_clock, kv_from_snapshot
 from bench.workloads import BenchRequest
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -63,7 +63,7 @@ def run_ours(
     engine_args.setdefault("telemetry_capacity", 1 << 20)
     cfg = EngineConfig.from_kwargs(policy=policy, **engine_args)
     core = EngineCore(cfg, model=model, tokenizer=tokenizer)
-    clock = forward_clock(model)
+    clock = engine_forward_clock(core)
     bs = cfg.block_size
     pending = sorted(requests, key=lambda r: r.arrival)
     by_id: dict[str, BenchRequest] = {}

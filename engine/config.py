@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, fields
 
 POLICIES = ("continuous", "static")
+FORWARDS = ("auto", "transformers")  # the engine's own forward where it owns the architecture, or transformers' modules
 FREE_BLOCK_ORDERS = ("lru", "mru")  # which free KV block is taken first: least / most recently freed
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2  # bytes
 
@@ -59,6 +60,13 @@ class EngineConfig:
             freed block is taken first: a waiting request takes exactly the blocks a finished one just
             freed, which talk mode can point at; it evicts the freshest cached prefixes first, so prefix
             caching finds fewer hits).
+        forward: ``"auto"``: the engine's own forward (``engine.models``) for the Llama family, transformers'
+            modules with our attention for other architectures; ``"transformers"``: transformers' modules
+            always (for comparison).
+        batch_invariant: a request's logits (so its greedy and seeded tokens) do not depend on what else
+            shares its steps, on how its prompt was chunked or on prefix-cache hits: every linear runs in
+            fixed row tiles (CPU, the engine's own forward and the C++ attention; docs/performance.md
+            gives the cost).
         telemetry_capacity: steps kept in the telemetry ring buffer.
         seed: seed of the global sampling generator for unseeded requests.
     """
@@ -76,6 +84,8 @@ class EngineConfig:
     policy: str = "continuous"
     enable_prefix_caching: bool = True
     free_block_order: str = "lru"
+    forward: str = "auto"
+    batch_invariant: bool = False
     telemetry_capacity: int = 512
     seed: int = 0
 
@@ -84,6 +94,10 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.free_block_order not in FREE_BLOCK_ORDERS:
             raise ValueError(f"free_block_order must be one of {FREE_BLOCK_ORDERS}, got {self.free_block_order!r}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
+        if self.batch_invariant and self.forward != "auto":
+            raise ValueError("batch_invariant needs the engine's own forward (forward='auto')")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens) < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and prefill_chunk_tokens must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -99,7 +99,7 @@ class EngineCore:
         cfg.max_model_len = self.max_model_len
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.free_block_order)
         self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(model, num_blocks, cfg.block_size, cfg.forward, cfg.batch_invariant)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(tokenizer)
         self.telemetry = Telemetry(capacity=cfg.telemetry_capacity)
@@ -352,7 +352,10 @@ class EngineCore:
         outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
-            self._record(t0, forward_time, sched, batch_slots, changed, finished)
+            try:  # telemetry only observes: its failure must not lose this step's outputs
+                self._record(t0, forward_time, sched, batch_slots, changed, finished)
+            except Exception:
+                log.exception("recording telemetry failed at step %d; the step's outputs are delivered", self.step_count)
         self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
@@ -380,7 +383,14 @@ class EngineCore:
         in docs/architecture.md)."""
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
-        return self._outputs(self.scheduler.take_finished())
+        finished = self.scheduler.take_finished()
+        outputs = self._outputs(finished)
+        try:  # the panels, /health and /metrics show the emptied engine and count the failures
+            self._amend_telemetry()
+            self._record_finished(finished, time.monotonic())
+        except Exception:
+            log.exception("recording telemetry after failing every request failed")
+        return outputs
 
     @staticmethod
     def _add_fork_rows(logits, sampling: list[Request]):

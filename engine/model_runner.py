@@ -1,10 +1,14 @@
 """Runs one forward pass per step over a packed (varlen) batch, against the paged KV cache.
 
-The model is a transformers model (Llama, Qwen2, Mistral, ... definitions) whose attention is ours:
-``paged_attention_forward`` is registered in transformers' ``AttentionInterface`` under
-:data:`ATTN_NAME`. Each step's metadata (:class:`AttentionMetadata`) reaches it as an extra keyword
-argument of ``model(...)``. With ``attention_mask=None``, ``use_cache=False`` and no mask function
-registered for our name, transformers builds no ``T x T`` mask.
+Two forwards, chosen once per engine (``EngineConfig.forward``):
+
+* ``"auto"``: the engine's own forward (:mod:`engine.models`) for the architectures it owns (the Llama
+  family): merged projections, fused norms, RoPE and SiLU-and-mul, the LM head on sampling rows only.
+* ``"transformers"`` (and any other architecture under ``"auto"``): the transformers model's modules,
+  with our attention: ``paged_attention_forward`` is registered in transformers' ``AttentionInterface``
+  under :data:`ATTN_NAME`, and each step's metadata (:class:`AttentionMetadata`) reaches it as an extra
+  keyword argument of ``model(...)``. With ``attention_mask=None``, ``use_cache=False`` and no mask
+  function registered for our name, transformers builds no ``T x T`` mask.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from engine.config import DEFAULT_KV_CACHE_MEMORY, FORWARDS, EngineConfig
+from engine.models import build_forward
 from engine.request import Request
 
 ATTN_NAME = "cbp_paged"
@@ -110,21 +115,38 @@ class ModelRunner:
             ``ALL_ATTENTION_FUNCTIONS``); it is switched to our attention.
         num_blocks: physical blocks per layer.
         block_size: tokens per block.
+        forward: ``"auto"`` (the engine's own forward where it owns the architecture) or
+            ``"transformers"`` (transformers' modules with our attention).
+        batch_invariant: the own forward's batch-invariant mode (see :class:`engine.models.LlamaForward`).
+
+    Raises:
+        ValueError: for another ``forward`` name, or ``batch_invariant`` without the own forward.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int) -> None:
-        register_attention()
-        model.set_attn_implementation(ATTN_NAME)
+    def __init__(self, model, num_blocks: int, block_size: int, forward: str = "auto",
+                 batch_invariant: bool = False) -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+        if batch_invariant and forward != "auto":
+            raise ValueError("batch-invariant mode needs the engine's own forward (forward='auto')")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.own_forward = build_forward(model, batch_invariant) if forward == "auto" else None
+        if self.own_forward is None:
+            register_attention()
+            model.set_attn_implementation(ATTN_NAME)
+        self.num_prepacked_linears = 0
         if self.device.type == "cpu":
-            # linear layers on oneDNN-prepacked weights where that is bit-identical and faster (bfloat16 on
-            # CPUs with AVX512-BF16); build or load the C++ attention kernel now, not at the first request
-            from kernels.cpu_linear import prepack_linears
+            if self.own_forward is not None:
+                self.num_prepacked_linears = self.own_forward.num_packed_linears
+            else:
+                # transformers' linear modules on oneDNN-prepacked weights where kernels.cpu_linear.packs
+                # says so (bfloat16 on CPUs with native bfloat16)
+                from kernels.cpu_linear import prepack_linears
 
-            self.num_prepacked_linears = prepack_linears(model)
-            kernels.cpp_available()
+                self.num_prepacked_linears = prepack_linears(model)
+            kernels.cpp_available()  # build or load the C++ kernels now, not at the first request
         self.block_size = block_size
         self.num_blocks = num_blocks
         layers, kvh, hd = kv_cache_shape(model.config)
@@ -206,6 +228,11 @@ class ModelRunner:
             ``(logits [S, vocab_size] float, requests)``: one row per request that samples this step
             (None and [] when none does).
         """
+        if self.own_forward is not None:
+            self.copy_blocks(list(blocks_to_copy))
+            input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
+            logits = self.own_forward.forward(input_ids[0], positions[0], meta, rows)
+            return (logits if sampling else None), sampling
         if self.model.config._attn_implementation != ATTN_NAME:
             # the same model object may also serve transformers' own generate (tests, baselines)
             self.model.set_attn_implementation(ATTN_NAME)

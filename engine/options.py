@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
-from engine.config import FREE_BLOCK_ORDERS, POLICIES, EngineConfig
+from engine.config import FORWARDS, FREE_BLOCK_ORDERS, POLICIES, EngineConfig
 
 ENV_PREFIX = "CBP_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -129,6 +129,13 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "live longest), mru = the most recently freed (talk mode: a waiting request takes exactly the blocks "
            "a finished one freed a step before; evicts the freshest cached prefixes first, so fewer prefix hits)",
            choices=FREE_BLOCK_ORDERS),
+    Option("forward", str, _CFG["forward"],
+           "auto = the engine's own Llama-family forward (fused norms, RoPE and SiLU, merged projections) "
+           "where it owns the architecture; transformers = transformers' modules with our attention",
+           choices=FORWARDS),
+    Option("batch_invariant", bool, _CFG["batch_invariant"],
+           "a request's tokens do not depend on the rest of the batch, on chunking or on prefix-cache hits "
+           "(linears in fixed row tiles; slower, see docs/performance.md)"),
 )
 
 # The playground's own defaults: a small pool and few slots, so that the panels show slots being

@@ -176,8 +176,10 @@ def test_multibyte_characters_stream_whole(tokenizer):
 
     model = make_tiny_model(len(tokenizer), seed=1)
     model.lm_head.register_forward_hook(force)
-    engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=32, block_size=16, max_num_seqs=2), model=model,
-                                    tokenizer=tokenizer))
+    # forward="transformers": the hook sits on transformers' lm_head module, which the engine's own forward
+    # does not call
+    engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=32, block_size=16, max_num_seqs=2, forward="transformers"),
+                                    model=model, tokenizer=tokenizer))
     try:
         with ServerThread(create_api(engine, MODEL)) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)

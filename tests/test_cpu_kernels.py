@@ -299,8 +299,7 @@ def test_missing_compiler_is_reported(restore_dispatch):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prepack_linears_gives_equal_logits(dtype):
-    """Packing only happens where results are bit-identical, so logits stay equal (min_speedup=0:
-    pack every shape that qualifies, to exercise the packed modules whatever this CPU's timings)."""
+    """Packing only happens where results are bit-identical, so logits stay equal."""
     import copy
 
     from kernels import cpu_linear
@@ -310,7 +309,7 @@ def test_prepack_linears_gives_equal_logits(dtype):
         pytest.skip("torch without oneDNN (mkldnn)")
     base = make_tiny_model(vocab_size=300, seed=1).to(dtype)
     packed = copy.deepcopy(base)
-    n = cpu_linear.prepack_linears(packed, min_speedup=0.0)
+    n = cpu_linear.prepack_linears(packed)
     ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(_seed()))
     with torch.no_grad():
         want = base(ids).logits
@@ -329,15 +328,44 @@ def test_prepack_linears_gives_equal_logits(dtype):
         assert out.shape == (1, 20)
 
 
-def test_prepack_linears_skips_unequal_or_slower_shapes(monkeypatch):
+def test_prepack_linears_skips_unequal_shapes(monkeypatch):
     from kernels import cpu_linear
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model(vocab_size=100, seed=2).to(torch.bfloat16)
-    monkeypatch.setattr(cpu_linear, "_VERDICTS", {})
-    monkeypatch.setattr(cpu_linear, "calibrate", lambda lin, rows: (False, 9.0))  # unequal
-    assert cpu_linear.prepack_linears(model) == 0
-    monkeypatch.setattr(cpu_linear, "_VERDICTS", {})
-    monkeypatch.setattr(cpu_linear, "calibrate", lambda lin, rows: (True, 0.9))  # equal but slower
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_linear, "packed_equal", lambda weight, bias=None: False)
     assert cpu_linear.prepack_linears(model) == 0
     assert not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
+
+
+def test_packing_is_decided_by_features_and_dtype_not_timings(monkeypatch):
+    """The rule: a bfloat16 weight on a CPU with native bfloat16, whose packed call is bit-identical;
+    never a float32 weight, never without native bfloat16; and the same answer on every call."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("torch without oneDNN (mkldnn)")
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(cpu_linear, "packed_equal", lambda weight, bias=None: True)
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    assert cpu_linear.packs(w.bfloat16()) and not cpu_linear.packs(w)
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    assert not cpu_linear.packs(w.bfloat16())
+    assert "time" not in cpu_linear.__dict__  # no timing module in the decision path
+
+
+def test_engine_linear_matches_f_linear():
+    """kernels.cpu_linear.Linear (what the engine's own forward calls) equals F.linear bit for bit,
+    packed or not, with and without bias."""
+    import torch.nn.functional as F
+
+    from kernels.cpu_linear import Linear
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(40, 64, generator=g).to(dtype)
+        b = torch.randn(40, generator=g).to(dtype)
+        x = torch.randn(7, 64, generator=g).to(dtype)
+        for bias in (None, b):
+            assert torch.equal(Linear(w, bias)(x), F.linear(x, w, bias))

@@ -145,7 +145,8 @@ def test_forward_failing_once_is_retried(tiny_model, tokenizer, solo, monkeypatc
     """The forward raises once, in the last decoder layer (after the first layer wrote its K/V): the
     step is run again and every request completes as if nothing happened."""
     eng = new_core(tiny_model, tokenizer)
-    layer = tiny_model.model.layers[-1]
+    own = eng.runner.own_forward  # the engine's own forward runs the tiny Llama; else transformers' layers
+    layer = own.layers[-1] if own is not None else tiny_model.model.layers[-1]
     real, calls = layer.forward, {"n": 0}
 
     def flaky(*a, **kw):

@@ -1,0 +1,81 @@
+"""Batch invariance (``EngineConfig.batch_invariant``): a request's tokens and logprobs are identical
+whatever else shares its steps, however its prompt is chunked, and with or without prefix-cache hits,
+in float32 and bfloat16 on CPU (the engine's own forward, linears in fixed row tiles, the C++ paged
+attention). Hypothesis draws the batch mixes."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kernels
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import SamplingParams
+from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not kernels.cpp_available(), reason="needs the C++ CPU kernels")
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def model(request):
+    return make_tiny_model(VOCAB, seed=7).to(request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (512, 64), (64, 128)])
+def test_tiled_linear_row_depends_on_its_own_values_only(dtype, shape):
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(shape, generator=g) * 0.1).to(dtype)
+    lin = Linear(w, None, BATCH_INVARIANT_ROWS)
+    x = torch.randn(3 * BATCH_INVARIANT_ROWS + 5, shape[1], generator=g).to(dtype)
+    alone = lin(x[:1])
+    for m in (2, 7, BATCH_INVARIANT_ROWS - 1, BATCH_INVARIANT_ROWS, BATCH_INVARIANT_ROWS + 1, x.shape[0] - 1):
+        for j in {0, m // 2, m - 1}:
+            xx = x[1 : m + 1].clone()
+            xx[j] = x[0]
+            assert torch.equal(lin(xx)[j], alone[0]), (m, j)
+
+
+def _run(model, tokenizer, prompt, target: SamplingParams, neighbours, cfg, target_after_steps: int,
+         twice: bool):
+    """The target request's (token ids, logprobs) in an engine with ``neighbours`` ((prompt, params)
+    pairs) added first and the target after ``target_after_steps`` steps; with ``twice`` the target runs
+    once before (so its prompt now hits the prefix cache)."""
+    eng = EngineCore(EngineConfig(**cfg, batch_invariant=True), model=model, tokenizer=tokenizer)
+    if twice:
+        eng.add_request("warm", prompt, target)
+        while eng.has_unfinished_requests():
+            eng.step()
+    for i, (p, sp) in enumerate(neighbours):
+        eng.add_request(f"n{i}", p, sp)
+    for _ in range(target_after_steps):
+        if eng.has_unfinished_requests():
+            eng.step()
+    eng.add_request("target", prompt, target)
+    got = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "target" and o.finished:
+                got = o
+    assert eng.kv.pool.num_used_blocks == 0
+    return got.token_ids, [lp[1] for lp in got.outputs[0].logprobs]
+
+
+prompt_st = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=70)
+neighbour_st = st.tuples(prompt_st, st.integers(1, 12), st.sampled_from([0.0, 0.9]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompt_st, neighbours=st.lists(neighbour_st, max_size=12), budget=st.sampled_from([2048, 9, 24]),
+       after=st.integers(0, 3), twice=st.booleans(), seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
+def test_target_tokens_do_not_depend_on_the_batch(model, tokenizer, prompt, neighbours, budget, after, twice, seed, greedy):
+    target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
+                            ignore_eos=True, logprobs=0)
+    alone = _run(model, tokenizer, prompt, target, [], dict(num_blocks=128, enable_prefix_caching=False), 0, False)
+    mixed_neighbours = [(p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)) for p, n, t in neighbours]
+    cfg = dict(num_blocks=128, max_num_batched_tokens=budget, prefill_chunk_tokens=min(budget, 80))
+    assert _run(model, tokenizer, prompt, target, mixed_neighbours, cfg, after, twice) == alone
