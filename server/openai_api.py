@@ -376,9 +376,12 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         if first.get("type") == "json_invalid":
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return APIError(400, msg, code="invalid_json").response()
-        if first.get("type") == "model_attributes_type" or not loc:
-            return APIError(400, "the request body must be a JSON object").response()
+        if not loc:  # also a JSON body sent without Content-Type: application/json (read as text)
+            return APIError(400, "the request body must be a JSON object, sent with Content-Type: "
+                                 "application/json").response()
         param = ".".join(loc)
+        if first.get("type") == "model_attributes_type":
+            return APIError(400, f"{param}: must be a JSON object", param=param).response()
         return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param).response()
 
     @app.exception_handler(StarletteHTTPException)

