@@ -106,7 +106,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     ctx = sum(r.num_tokens for r in core.scheduler.running) / max(1, len(core.scheduler.running))
     out = {"parts_ms": parts, "step_ms": 1000 * total / steps, "num_running": len(core.scheduler.running),
            "context": ctx, "forward_ms": 1000 * fwd / steps, "torch_table": table,
-           "tokens_per_s": len(core.scheduler.running) / (total / steps), "forward": "own" if core.runner.own_forward is not None else "transformers",
+           "tokens_per_s": len(core.scheduler.running) / (total / steps),
+           "forward": "own" if core.runner.own_forward is not None else "transformers",
            "floor": step_floor(model, len(core.scheduler.running), ctx, machine_rates(core.runner.dtype))}
     del core
     gc.collect()
