@@ -33,6 +33,7 @@ def test_tiled_linear_row_depends_on_its_own_values_only(dtype, shape):
     lin = Linear(w, None, BATCH_INVARIANT_ROWS)
     x = torch.randn(3 * BATCH_INVARIANT_ROWS + 5, shape[1], generator=g).to(dtype)
     alone = lin(x[:1])
+    assert lin(x[:0]).shape == (0, shape[0])  # no row samples (a step of partial prefill chunks)
     for m in (2, 7, BATCH_INVARIANT_ROWS - 1, BATCH_INVARIANT_ROWS, BATCH_INVARIANT_ROWS + 1, x.shape[0] - 1):
         for j in {0, m // 2, m - 1}:
             xx = x[1 : m + 1].clone()
