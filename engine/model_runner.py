@@ -228,16 +228,14 @@ class ModelRunner:
             ``(logits [S, vocab_size] float, requests)``: one row per request that samples this step
             (None and [] when none does).
         """
+        self.copy_blocks(list(blocks_to_copy))
+        input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
         if self.own_forward is not None:
-            self.copy_blocks(list(blocks_to_copy))
-            input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
             logits = self.own_forward.forward(input_ids[0], positions[0], meta, rows)
             return (logits if sampling else None), sampling
         if self.model.config._attn_implementation != ATTN_NAME:
             # the same model object may also serve transformers' own generate (tests, baselines)
             self.model.set_attn_implementation(ATTN_NAME)
-        self.copy_blocks(list(blocks_to_copy))
-        input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,

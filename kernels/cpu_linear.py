@@ -17,7 +17,9 @@ transformers' modules). The packed tensor is an opaque oneDNN tensor: inference 
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +58,12 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
 
 
+@functools.cache
 def native_bf16() -> bool:
-    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16; Linux CPU flags)."""
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16; Linux CPU flags; read once
+    per process)."""
+    if sys.platform != "linux":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

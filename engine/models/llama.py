@@ -142,7 +142,6 @@ class LlamaForward:
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()
         tile = BATCH_INVARIANT_ROWS if batch_invariant else None
-        self.batch_invariant = batch_invariant
         self.layers = [LlamaLayer(layer, i, cfg, tile) for i, layer in enumerate(inner.layers)]
         self.norm = inner.norm.weight.detach()
         self.eps = float(inner.norm.variance_epsilon)
@@ -165,11 +164,6 @@ class LlamaForward:
         """Linears on oneDNN-prepacked weights (four per layer and the LM head where packing applies)."""
         lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(lin.packed is not None for lin in [*lins, self.lm_head])
-
-    @property
-    def max_positions(self) -> int:
-        """Positions the RoPE table covers (tokens)."""
-        return self.rope[0].shape[0]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_rows: torch.Tensor
