@@ -5,7 +5,7 @@ attention). Hypothesis draws the batch mixes."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernels
@@ -73,6 +73,7 @@ neighbour_st = st.tuples(prompt_st, st.integers(1, 12), st.sampled_from([0.0, 0.
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompt_st, neighbours=st.lists(neighbour_st, max_size=12), budget=st.sampled_from([2048, 9, 24]),
        after=st.integers(0, 3), twice=st.booleans(), seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
+@example(prompt=[3] * 10, neighbours=[], budget=9, after=0, twice=False, seed=0, greedy=False)  # a chunk samples nothing
 def test_target_tokens_do_not_depend_on_the_batch(model, tokenizer, prompt, neighbours, budget, after, twice, seed, greedy):
     target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
                             ignore_eos=True, logprobs=0)
