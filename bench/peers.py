@@ -292,9 +292,26 @@ def run_ours(spec: dict, dtype: str, threads: int, kv_cache_gib: float, max_num_
         res["mixed"] = {"seconds": dt, "requests": len(outs),
                         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
         log(f"ours: mixed in {dt:.2f} s")
+    if spec.get("w64"):  # the decode step at 64 requests against this machine's physical floor, same run
+        from bench.step_profile import profile_decode_step
+
+        p = profile_decode_step(llm.engine.model, llm.tokenizer, 64, 150, torch_profile=False,
+                                kv_cache_memory=f"{kv_cache_gib}GiB", device="cpu")
+        res["floor"] = {"step_ms": p["step_ms"], "context": p["context"], "forward": p["forward"], **p["floor"]}
+        log(f"ours: decode step at 64 requests {p['step_ms']:.1f} ms, floor {p['floor']['floor_ms']:.1f} ms")
     del llm
     gc.collect()
     return res
+
+
+def format_floor(f: dict) -> str:
+    """One line: our decode step at 64 requests, its physical floor on this machine and their ratio
+    (:func:`bench.step_profile.step_floor`: the step's FLOPs at the measured matmul rate plus its KV bytes at
+    the measured copy bandwidth)."""
+    return (f"decode step at 64 requests (ours, {f['forward']} forward, mean context {f['context']:.0f}): "
+            f"{f['step_ms']:.1f} ms; physical floor {f['floor_ms']:.1f} ms = {f['gflop']:.1f} GFLOP at "
+            f"{f['matmul_gflops']:.0f} GFLOP/s + {f['kv_mb']:.0f} MB of KV at {f['bandwidth_gbs']:.1f} GB/s; "
+            f"step / floor = {f['step_ms'] / f['floor_ms']:.2f}")
 
 
 # ==================================================================================================
@@ -413,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check ({CHECK_QUESTION!r}, greedy 16 tokens): ours {ours.get('check', {}).get('text')!r} | "
               f"vLLM {theirs.get('check', {}).get('text')!r} | same first {common_prefix(a, b)} tokens")
     print(format_table(rows))
+    if ours.get("floor"):
+        print(format_floor(ours["floor"]))
     for side, res in (("ours", ours), ("vLLM", theirs)):
         for work, r in res.items():
             if isinstance(r, dict) and r.get("invalid"):

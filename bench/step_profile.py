@@ -29,7 +29,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     contexts reach about ``context`` tokens; then ``steps`` decode steps are timed with each part of
     the step wrapped: scheduling, packing the batch (``ModelRunner.prepare``), the model forward (split
     into attention and the rest), sampling, the scheduler's update (``Scheduler.update_from_output``),
-    detokenizing (``OutputProcessor.process_tokens``), outputs and telemetry. With
+    detokenizing (``OutputProcessor.on_token``, which the update calls: its time is taken out of the
+    update's), outputs and telemetry. With
     ``torch_profile`` one more step runs under ``torch.profiler`` and its top operators are returned as a
     printed table.
 
@@ -71,7 +72,7 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         (core.runner, "prepare", "prepare (pack batch)"),
         (core.sampler, "sample", "sample"),
         (core.scheduler, "update_from_output", "update_from_output"),
-        (core.output_processor, "process_tokens", "detokenize (output processor)"),
+        (core.output_processor, "on_token", "detokenize (output processor)"),
         (core, "_outputs", "outputs"),
         (core, "_record", "telemetry"),
         (kernels, "paged_attention", "attention (paged_attention)"),
@@ -92,6 +93,9 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
             delattr(obj, name)  # an instance attribute shadowing the method: remove it
     fwd = f1 - f0
     attn = acc.get("attention (paged_attention)", 0.0) + acc.get("attention (cache write)", 0.0)
+    detok = "detokenize (output processor)"
+    if detok in acc and "update_from_output" in acc:  # called from inside the scheduler's update: not twice
+        acc["update_from_output"] -= acc[detok]
     parts = {k: 1000 * v / steps for k, v in acc.items()}
     parts["forward: linear layers, norms, RoPE, lm_head"] = 1000 * (fwd - attn) / steps
     outside = sum(v for k, v in acc.items() if not k.startswith("attention"))

@@ -7,13 +7,15 @@ Pacing (for talks): :meth:`AsyncEngine.pause` stops stepping (requests queue, st
 still free their blocks), :meth:`AsyncEngine.step_once` runs exactly one step while paused, and
 :meth:`AsyncEngine.set_min_step_time` slows every step down to a minimum wall time, and
 :meth:`AsyncEngine.run_until` runs until a condition on the telemetry holds (the next hand-over of a
-batch slot or a KV block, :mod:`engine.handover`), then pauses on that step. The time the engine is held
-is recorded in the telemetry (``Telemetry.held_time``), so TTFT and TPOT leave it out.
+batch slot or a KV block, :mod:`engine.handover`), then pauses on that step. All of that state lives in
+the core's :class:`engine.pacing.Pacing` (``core.pacing``), which also records the time the engine is
+held, so TTFT and TPOT leave it out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -22,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import RequestError
+from engine.parallel_sampling import ParentRequest, child_ids
 from engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,13 +56,9 @@ class AsyncEngine:
         self.errored: BaseException | None = None
         self._in_core: set[str] = set()  # ids handed to the core whose final output has not come back
         self._pace = threading.Event()  # set by pause/resume/speed changes/aborts: ends a slow-motion wait
-        self._paused = False
-        self._single_steps = 0  # steps granted by step_once() while paused
-        self._min_step_time = 0.0  # seconds; slow motion when > 0
-        self._until: Callable | None = None  # run_until's condition while it runs
-        self._until_left = 0  # steps run_until may still run
-        self.until_condition: Callable | None = None  # the last run_until's condition (its ``found``)
-        self.until_met: bool | None = None  # whether it held (False: max_steps ran out or it was called off)
+        self.pacing = core.pacing  # pause, single steps, slow motion, run-until, held time
+        self._inputs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbp-inputs")
+        self._parents: dict[str, ParentRequest] = {}  # n > 1: request id and each child id -> its parent
         if start:
             self.start()
 
@@ -77,11 +77,6 @@ class AsyncEngine:
         """Requests streaming now (admitted to the engine and not finished)."""
         with self._lock:
             return len(self._streams)
-
-    @property
-    def healthy(self) -> bool:
-        """True while the stepping thread runs."""
-        return self.is_running
 
     # ------------------------------------------------------------------ properties
     @property
@@ -114,27 +109,26 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._pace.set()
+        self._inputs.shutdown(wait=False)
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                may_step = not self._paused or self._single_steps > 0
-            if not may_step:  # paused: no step runs, but new requests queue and aborts free their blocks
-                self.core.telemetry.set_held(True)
+            pacing = self.pacing
+            if not pacing.may_step():  # paused: no step runs, but new requests queue and aborts free their blocks
+                pacing.set_held(True)
                 self._process_inbox()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             if not self.core.has_unfinished_requests():
-                self.core.telemetry.set_held(False)
-                with self._lock:
-                    self._single_steps = 0  # a single step with nothing to do is spent
+                pacing.set_held(False)
+                pacing.idle()  # a single step with nothing to do is spent
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self.core.telemetry.set_held(False)
+            pacing.set_held(False)
             t0 = time.monotonic()
             before = self.core.step_count
             try:
@@ -142,13 +136,10 @@ class AsyncEngine:
             except Exception as e:  # outside the per-request guards: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(e)
-            with self._lock:
-                if self._paused and self._single_steps > 0:
-                    self._single_steps -= 1
+            pacing.spend_step()
             if self.core.step_count != before:
-                self._check_until()
-            for out in outputs:
-                self._deliver(out)
+                pacing.check_until(self.core.telemetry.latest())
+            self._deliver_all(outputs)
             self._slow_motion_wait(t0)
 
     def _process_inbox(self) -> None:
@@ -159,36 +150,13 @@ class AsyncEngine:
         except Exception as e:
             log.exception("applying queued requests and aborts failed")
             outputs = self._fail_all(e)
-        for out in outputs:
-            self._deliver(out)
-
-    def _check_until(self) -> None:
-        """After a new step (stepping thread): evaluate run_until's condition; pause when it holds or its
-        step budget is spent."""
-        with self._lock:
-            cond = self._until
-        if cond is None:
-            return
-        snap = self.core.telemetry.latest()
-        try:
-            met = bool(cond(snap))
-        except Exception:  # a faulty condition stops the run, paused, instead of killing the thread
-            log.exception("run_until condition failed")
-            met = False
-            self._until_left = 0
-        self._until_left -= 1
-        if met or self._until_left <= 0:
-            with self._lock:
-                if self._until is cond:
-                    self._until, self._paused, self._single_steps = None, True, 0
-                    self.until_met = met
-            self.core.telemetry.paused = True
+        self._deliver_all(outputs)
 
     def _slow_motion_wait(self, t0: float) -> None:
         """Slow motion: wait until the step that started at ``t0`` has lasted the minimum step time.
         A pause, a new speed or an abort ends the wait early, and aborts free their blocks at once."""
-        while not self._stop.is_set() and not self._paused:
-            rest = self._min_step_time - (time.monotonic() - t0)
+        while not self._stop.is_set() and not self.pacing.paused:
+            rest = self.pacing.min_step_time - (time.monotonic() - t0)
             if rest <= 0:
                 return
             if self._pace.wait(rest):
@@ -199,7 +167,7 @@ class AsyncEngine:
     @property
     def paused(self) -> bool:
         """True while :meth:`pause` holds the engine."""
-        return self._paused
+        return self.pacing.paused
 
     @property
     def step_count(self) -> int:
@@ -209,12 +177,23 @@ class AsyncEngine:
     @property
     def min_step_time(self) -> float:
         """Slow motion: the least wall time of one step (seconds; 0 = full speed)."""
-        return self._min_step_time
+        return self.pacing.min_step_time
 
     @property
     def seeking(self) -> bool:
         """True while :meth:`run_until` runs (its condition has not held yet)."""
-        return self._until is not None
+        return self.pacing.seeking
+
+    @property
+    def until_condition(self) -> Callable | None:
+        """The last :meth:`run_until` condition (e.g. its ``found`` after it held)."""
+        return self.pacing.until_condition
+
+    @property
+    def until_met(self) -> bool | None:
+        """Whether the last :meth:`run_until` condition held (None while it runs; False: ``max_steps`` ran
+        out or it was called off)."""
+        return self.pacing.until_met
 
     def run_until(self, condition: Callable, max_steps: int = 5000) -> None:
         """Run steps (at the set pace) until ``condition(snapshot)`` is true for a new step's telemetry
@@ -232,42 +211,20 @@ class AsyncEngine:
         Raises:
             ValueError: ``max_steps`` < 1 or ``condition`` not callable.
         """
-        if not callable(condition):
-            raise ValueError("condition must be callable")
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
-        with self._lock:
-            self._until, self._until_left = condition, max_steps
-            self.until_condition, self.until_met = condition, None
-            self._paused = False
-            self._single_steps = 0
-        self.core.telemetry.paused = False
+        self.pacing.start_until(condition, max_steps)
         self._wake.set()
         self._pace.set()
 
-    def _call_off_until(self) -> None:
-        """Under ``self._lock``: end a running :meth:`run_until` unmet."""
-        if self._until is not None:
-            self._until, self.until_met = None, False
-
     def pause(self) -> None:
         """Stop running steps: requests queue, streams wait; aborts and disconnects still free their
-        blocks. Recorded in the telemetry (``telemetry.paused``). Calls off a :meth:`run_until`."""
-        with self._lock:
-            self._paused = True
-            self._single_steps = 0
-            self._call_off_until()
-        self.core.telemetry.paused = True
+        blocks. Calls off a :meth:`run_until`."""
+        self.pacing.pause()
         self._wake.set()
         self._pace.set()
 
     def resume(self) -> None:
         """Run steps again at the set pace (calls off a :meth:`run_until`)."""
-        with self._lock:
-            self._paused = False
-            self._single_steps = 0
-            self._call_off_until()
-        self.core.telemetry.paused = False
+        self.pacing.resume()
         self._wake.set()
         self._pace.set()
 
@@ -278,11 +235,7 @@ class AsyncEngine:
         Raises:
             ValueError: ``steps`` < 1.
         """
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        with self._lock:
-            if self._paused:
-                self._single_steps += steps
+        self.pacing.grant(steps)
         self._wake.set()
 
     def set_min_step_time(self, seconds: float) -> None:
@@ -291,13 +244,33 @@ class AsyncEngine:
         Raises:
             ValueError: a value outside [0, 10] or not a number.
         """
-        if not isinstance(seconds, (int, float)) or not 0.0 <= seconds <= 10.0:
-            raise ValueError(f"the minimum step time must be in [0, 10] seconds, got {seconds!r}")
-        self._min_step_time = float(seconds)
+        self.pacing.set_min_step_time(seconds)
         self._pace.set()
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         return self.core.fail_all(f"engine error: {exc!r}")
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Deliver one step's outputs: the children of an n > 1 request merged into one output of their
+        parent (:class:`engine.parallel_sampling.ParentRequest`), every other output as it is."""
+        by_parent: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            parent = self._parents.get(out.request_id)
+            if parent is None:
+                self._deliver(out)
+                continue
+            if out.finished:
+                with self._lock:
+                    self._in_core.discard(out.request_id)
+            by_parent.setdefault(parent.request_id, []).append(out)
+        for rid, outs in by_parent.items():
+            parent = self._parents[rid]
+            merged = parent.merge(outs)
+            if merged.finished:
+                with self._lock:
+                    for key in (rid, *parent.children):
+                        self._parents.pop(key, None)
+            self._deliver(merged)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -310,7 +283,7 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(q.put_nowait, out)
         except RuntimeError:  # the caller's loop is closed
-            self.core.abort_request(out.request_id)
+            self.abort(out.request_id)
 
     # ------------------------------------------------------------------ API
     async def generate(
@@ -330,26 +303,36 @@ class AsyncEngine:
             cache_salt: keeps this request's prefix-cache entries apart from other salts'.
 
         Raises:
-            ValueError: invalid prompt or parameters (before any output, nothing allocated).
+            engine.errors.RequestError: invalid prompt or parameters, or a request id in use (before any
+                output, nothing allocated; ``param`` and ``code`` say what the API reports).
             EngineOverloadedError: ``max_pending`` requests are already in flight.
             RuntimeError: the engine thread is not running.
         """
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         rid = request_id or uuid.uuid4().hex
-        # validation tokenizes the prompt: in a worker thread, so a huge prompt never stalls other streams
-        req = await asyncio.to_thread(self.core.make_request, rid, prompt, params, cache_salt)
+        # input processing (rendering, tokenizing, validation) runs in a worker thread, never on the stepping
+        # thread, so a huge prompt stalls neither the engine nor other streams; one worker, so requests reach
+        # the queue in the order they were submitted (first come, first served, as in vLLM)
         loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self._inputs, self.core.input_processor.process, rid, prompt, params,
+                                         cache_salt)
         q: asyncio.Queue = asyncio.Queue()
+        children = child_ids(req)
         with self._lock:
-            if rid in self._streams or rid in self._in_core:  # in use, or still being aborted in the core
-                raise ValueError(f"request id {rid!r} is already in use")
+            if rid in self._streams or any(c in self._in_core for c in (rid, *children)):  # in use, or being aborted
+                raise RequestError(f"request id {rid!r} is already in use")
             if self.max_pending is not None and len(self._streams) >= self.max_pending:
                 raise EngineOverloadedError(
                     f"the engine is busy ({len(self._streams)} requests in flight, limit {self.max_pending}); retry later"
                 )
             self._streams[rid] = (loop, q)
             self._in_core.add(rid)
+            if req.pending_forks:  # n > 1: the core reports each child; _deliver_all merges them
+                parent = ParentRequest(req)
+                for key in (rid, *children):
+                    self._parents[key] = parent
+                self._in_core.update(children)
         finished = False
         try:
             self.core.enqueue(req)
@@ -367,9 +350,11 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks go back within one step (at once while paused or between slow
-        steps). Unknown ids are ignored."""
-        self.core.abort_request(request_id)
+        """Abort a request (all its children when n > 1); its blocks go back within one step (at once
+        while paused or between slow steps). Unknown ids are ignored."""
+        parent = self._parents.get(request_id)
+        for rid in parent.children if parent is not None and request_id == parent.request_id else [request_id]:
+            self.core.abort_request(rid)
         self._wake.set()
         self._pace.set()
 
@@ -378,4 +363,5 @@ class AsyncEngine:
         last = None
         async for out in self.generate(prompt, params, **kw):
             last = out
+        assert last is not None  # generate yields until the final output, or raises
         return last

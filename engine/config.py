@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 POLICIES = ("continuous", "static")
 FORWARDS = ("auto", "transformers")  # the engine's own forward where it owns the architecture, or transformers' modules
+STATIC_DECODE = ("auto", "on", "off")  # padded static decode buffers (CUDA graphs on CUDA): auto = on CUDA only
 FREE_BLOCK_ORDERS = ("lru", "mru")  # which free KV block is taken first: least / most recently freed
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2  # bytes
 
@@ -52,6 +53,10 @@ class EngineConfig:
         prefill_chunk_tokens: while any request decodes, each prompt computes at most this many tokens
             per step (tokens), so a long prompt never freezes running streams; with nothing decoding,
             prompts use the whole ``max_num_batched_tokens``.
+        prefill_step_target: None (the fixed ``prefill_chunk_tokens``), or a ratio > 1: while any request
+            decodes, a step's prompt tokens (all prompts together) are sized so that the step takes about
+            this many times its decode rows alone, from a cost model of the steps run
+            (:mod:`engine.step_cost`; ``prefill_chunk_tokens`` until the model has seen enough steps).
         max_model_len: context length (tokens); None = the model's, capped by the KV pool's capacity.
         policy: ``"continuous"`` or ``"static"`` (comparison only).
         enable_prefix_caching: reuse cached full blocks of identical prefixes.
@@ -67,6 +72,10 @@ class EngineConfig:
             shares its steps, on how its prompt was chunked or on prefix-cache hits: every linear runs in
             fixed row tiles (CPU, the engine's own forward and the C++ attention; docs/performance.md
             gives the cost).
+        static_decode: pure decode steps of the engine's own forward run on static buffers padded to a
+            few batch sizes (:mod:`engine.static_decode`), captured in CUDA graphs on CUDA: ``"auto"`` on
+            CUDA only, ``"on"`` on any device (on CPU eagerly, for equivalence tests), ``"off"`` never
+            (vLLM's ``enforce_eager``).
         telemetry_capacity: steps kept in the telemetry ring buffer.
         seed: seed of the global sampling generator for unseeded requests.
     """
@@ -80,12 +89,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_tokens: int = 80
+    prefill_step_target: float | None = None
     max_model_len: int | None = None
     policy: str = "continuous"
     enable_prefix_caching: bool = True
     free_block_order: str = "lru"
     forward: str = "auto"
     batch_invariant: bool = False
+    static_decode: str = "auto"
     telemetry_capacity: int = 512
     seed: int = 0
 
@@ -96,10 +107,14 @@ class EngineConfig:
             raise ValueError(f"free_block_order must be one of {FREE_BLOCK_ORDERS}, got {self.free_block_order!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
+        if self.static_decode not in STATIC_DECODE:
+            raise ValueError(f"static_decode must be one of {STATIC_DECODE}, got {self.static_decode!r}")
         if self.batch_invariant and self.forward != "auto":
             raise ValueError("batch_invariant needs the engine's own forward (forward='auto')")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_tokens) < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and prefill_chunk_tokens must be >= 1")
+        if self.prefill_step_target is not None and not 1.0 < self.prefill_step_target < float("inf"):
+            raise ValueError(f"prefill_step_target must be a finite ratio > 1, got {self.prefill_step_target}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)

@@ -8,34 +8,31 @@ message in an inbox, which :meth:`EngineCore.step` drains on the stepping thread
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import time
-import uuid
-
-import torch
 
 from engine.config import EngineConfig
-from engine.detokenizer import max_token_chars
+from engine.errors import RequestError
+from engine.input_processor import InputProcessor
 from engine.isolation import error_output, execute_isolated, reject_non_finite, sample_isolated
 from engine.kv_cache import KVCacheManager
 from engine.model_loader import eos_token_ids, load_model
 from engine.model_runner import ModelRunner, num_blocks_for
 from engine.output_processor import OutputProcessor
-from engine.request import ChatPrompt, Request, RequestOutput, RequestStatus, SamplingParams, TextPrompt
+from engine.pacing import Pacing
+from engine.parallel_sampling import add_fork_rows, child_ids
+from engine.request import Request, RequestOutput, RequestState, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stopping import Stop
 from engine.telemetry import BatchSlotSnapshot, FinishedRequestStats, StepSnapshot, Telemetry
 
 log = logging.getLogger(__name__)
 
-
-def _check_text(text: str, what: str) -> None:
-    """Raise ``ValueError`` when ``text`` cannot be encoded as UTF-8 (e.g. a lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text: {e.reason} at position {e.start}") from None
+QUEUE_REPORT_DEPTH = 32  # waiting requests whose place in the queue is reported at every step (the head)
+QUEUE_REFRESH_STEPS = 32  # every this many steps, the place of every waiting request is reported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,145 +95,45 @@ class EngineCore:
         self.max_model_len = min(x for x in limits if x)
         cfg.max_model_len = self.max_model_len
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.free_block_order)
-        self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, cfg.block_size, cfg.forward, cfg.batch_invariant)
+        self.scheduler = Scheduler(cfg, self.kv, self.max_model_len, on_token=self._on_token)
+        self.runner = ModelRunner(model, num_blocks, cfg.block_size, cfg.forward, cfg.batch_invariant,
+                                  static_decode=cfg.static_decode, max_num_seqs=cfg.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(tokenizer)
         self.telemetry = Telemetry(capacity=cfg.telemetry_capacity)
+        self.pacing = Pacing()  # talk mode (AsyncEngine); its held intervals leave paused time out of latencies
         self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.input_processor = InputProcessor(tokenizer, text_cfg.vocab_size, self.max_model_len, self.eos_token_ids,
+                                              self.output_processor, self.scheduler.check_request)
         self.step_count = 0
         self.peak_used_blocks = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._groups: dict[str, list[Request]] = {}  # request id -> its sequences, for n > 1
-        self._live: set[str] = set()  # ids of requests added and not finished
+        self._live: set[str] = set()  # ids of sequences added and not finished
+        self._reported: dict[str, RequestState] = {}  # sequence id -> the state its last output carried
+        # report every waiting request's place now and then (streaming callers); LLM.generate turns it off
+        self.report_whole_queue = True
         self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt, check_length: bool = True) -> list[int]:
-        """Prompt -> token ids. A string (or a :class:`TextPrompt`) is tokenized as is; a list of
-        ``{"role", "content"}`` dicts is rendered with the chat template (generation prompt added), a
-        :class:`ChatPrompt` with its own flags; a list of ints is taken as ids.
-
-        With ``check_length``, text longer than the context length can hold (``max_model_len`` x the
-        longest vocabulary entry, in characters) is refused before it is tokenized, so a huge prompt costs
-        no tokenizer time or memory.
-
-        Raises:
-            ValueError: empty or malformed prompt, or text that cannot fit in the context length.
-        """
-        add_special_tokens = True
-        if isinstance(prompt, TextPrompt):
-            prompt, add_special_tokens = prompt.text, bool(prompt.add_special_tokens)
-            if not isinstance(prompt, str):
-                raise ValueError("a TextPrompt's text must be a string")
-        if isinstance(prompt, ChatPrompt):
-            return self._render_chat(prompt, check_length)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            _check_text(prompt, "the prompt")
-            if check_length:
-                self._check_chars(len(prompt))
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.model.config.get_text_config().vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
-            return list(prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(ChatPrompt(list(prompt)), check_length)
-        if isinstance(prompt, (list, tuple)) and not prompt:
-            raise ValueError("the prompt is empty")
-        raise ValueError("a prompt must be a string, a list of chat messages or a list of token ids")
-
-    def _check_chars(self, num_chars: int) -> None:
-        """Raise ``ValueError`` when text of ``num_chars`` characters needs more tokens than the context length."""
-        limit = self.max_model_len * max_token_chars(self.tokenizer)
-        if num_chars > limit:
-            raise ValueError(f"the prompt has {num_chars} characters, more than the context length of "
-                             f"{self.max_model_len} tokens can hold (at most {limit} characters)")
-
-    def _render_chat(self, chat: ChatPrompt, check_length: bool = True) -> list[int]:
-        """A chat rendered with the chat template and its flags, then tokenized. Raises ``ValueError``."""
-        messages = chat.messages
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("the prompt is empty")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError("each chat message needs a string 'role' and a string 'content'")
-            _check_text(m["role"], "a chat message role")
-            _check_text(m["content"], "a chat message")
-        if check_length:  # the template only adds text: the contents alone must fit
-            self._check_chars(sum(len(m["content"]) for m in messages))
-        if chat.continue_final_message and chat.add_generation_prompt:
-            raise ValueError("continue_final_message cannot be used together with add_generation_prompt")
-        kwargs = dict(chat.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt",
-                                         "continue_final_message", "chat_template", "tools", "documents"})
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs,
-                                                      add_generation_prompt=bool(chat.add_generation_prompt),
-                                                      continue_final_message=bool(chat.continue_final_message))
-        except Exception as e:  # a template error (jinja, a bad variable): this request's fault
-            raise ValueError(f"the chat template failed on these messages: {e}") from None
-        return self.tokenizer(text, add_special_tokens=bool(chat.add_special_tokens))["input_ids"]
+        """Prompt -> token ids (:meth:`engine.input_processor.InputProcessor.tokenize`)."""
+        return self.input_processor.tokenize(prompt, check_length)
 
     def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                      cache_salt: str | None = None) -> Request:
-        """Validate and build a :class:`Request` (any thread; touches no engine state).
+        """Validate and build a :class:`Request` (any thread; touches no engine state): the input
+        processor's :meth:`engine.input_processor.InputProcessor.process`.
 
         Raises:
-            ValueError: bad sampling values, empty prompt, prompt over the context length, or a
-                request that can never fit in the KV pool.
+            engine.errors.RequestError: see :meth:`engine.input_processor.InputProcessor.process`.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        params.validate()
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("cache_salt must be a non-empty string")
-            _check_text(cache_salt, "cache_salt")
-        if request_id is not None and (not isinstance(request_id, str) or "#" in request_id):
-            raise ValueError("a request id must be a string without '#'")
-        if request_id is not None:
-            _check_text(request_id, "the request id")
-        ids = self.tokenize(prompt, check_length=params.truncate_prompt_tokens is None)
-        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k prompt tokens
-            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            ids = ids[-keep:]
-        vocab = self.model.config.get_text_config().vocab_size
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids has a token id outside the vocabulary [0, {vocab})")
-        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids has a token id outside the vocabulary [0, {vocab})")
-        if params.allowed_token_ids is not None and params.min_tokens > 0:
-            # before min_tokens, EOS (unless ignore_eos) and stop token ids are masked: something must remain
-            masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if set(params.allowed_token_ids) <= masked:
-                raise ValueError("allowed_token_ids leaves nothing to sample before min_tokens: every allowed id "
-                                 "is an end-of-sequence or stop token id")
-        rid = request_id or uuid.uuid4().hex
-        seqs = []
-        for i in range(params.n):
-            sp = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp, self.eos_token_ids, self.max_model_len,
-                          prompt=prompt)
-            req.group_id, req.index, req.cache_salt = rid, i, cache_salt
-            req.detokenizer = self.output_processor.new_detokenizer(ids, sp)
-            seqs.append(req)
-        seqs[0].pending_forks = seqs[1:]
-        self.scheduler.check_request(seqs[0])
-        return seqs[0]
+        return self.input_processor.process(request_id, prompt, params, cache_salt)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
-        """Validate a request and queue it for the next step (thread-safe). Raises ``ValueError``."""
+        """Validate a request and queue it for the next step (thread-safe). Raises
+        :class:`engine.errors.RequestError`; tokenizes on the calling thread (:meth:`make_request`)."""
         req = self.make_request(request_id, prompt, params, cache_salt)
         self.enqueue(req)
         return req
@@ -260,24 +157,22 @@ class EngineCore:
             n += 1
             if kind == "add":
                 try:
-                    if item.group_id in self._live:
-                        raise ValueError(f"request id {item.group_id!r} is already in use")
+                    in_use = [rid for rid in child_ids(item) if rid in self._live]
+                    if in_use:
+                        raise RequestError(f"request id {in_use[0]!r} is already in use")
                     self.scheduler.add_request(item)
-                    self._live.add(item.group_id)
-                    if item.pending_forks:
-                        self._groups[item.group_id] = [item] + item.pending_forks
+                    self._live.update(child_ids(item))
                 except ValueError as e:  # e.g. a duplicate id: fail that request alone
                     for seq in [item] + item.pending_forks:
                         seq.status = RequestStatus.FINISHED_ERROR
                         seq.error = str(e)
                     self._rejected.append(item)
             else:
-                for seq in self._groups.get(item, [None]):
-                    self.scheduler.abort(item if seq is None else seq.request_id)
+                self.scheduler.abort(item)
 
     def _rejected_outputs(self) -> list[RequestOutput]:
         """Final outputs of the requests refused while draining the inbox (then forgotten)."""
-        outs = [self.output_processor.make_output(r, [r] + r.pending_forks) for r in self._rejected]
+        outs = [self.output_processor.make_output(seq) for r in self._rejected for seq in [r] + r.pending_forks]
         self._rejected = []
         return outs
 
@@ -330,43 +225,55 @@ class EngineCore:
         t0 = time.monotonic()
         self.kv.pool.step = self.step_count + 1  # stamps the blocks taken and freed in this step
         self._drain_inbox()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()  # schedule
         batch_slots = self.scheduler.batch_slot_snapshot(sched)
-        changed: list[Request] = []
-        forward_time = 0.0
-        if not sched.is_empty:
-            tf = time.monotonic()
-            logits, sampling, failed = execute_isolated(self.runner, sched.scheduled, sched.blocks_to_copy)
-            logits, sampling = self._add_fork_rows(logits, sampling)
-            logits, sampling, bad_rows = reject_non_finite(logits, sampling)
-            sampled, bad_samples = sample_isolated(self.sampler, logits, sampling)
-            forward_time = time.monotonic() - tf
-            for req, error in failed + bad_rows + bad_samples:  # these fail alone; the others go on
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
-            changed = self.scheduler.update_from_output(sched, sampled)
-            for req in changed:
-                self._detokenize(req)
+        sampled, forward_time = self._execute(sched)  # execute: forward and sample
+        changed = self.scheduler.update_from_output(sched, sampled) if not sched.is_empty else []  # update, stops
         finished = self.scheduler.take_finished()
-        outputs = self._outputs(changed + finished)
+        outputs = self._outputs(changed + finished)  # outputs
         finished += self.scheduler.take_finished()  # failed while their output was built (already in outputs)
         outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
-            try:  # telemetry only observes: its failure must not lose this step's outputs
-                self._record(t0, forward_time, sched, batch_slots, changed, finished)
-            except Exception:
-                log.exception("recording telemetry failed at step %d; the step's outputs are delivered", self.step_count)
+            self._observe(t0, forward_time, sched, batch_slots, changed, finished)
+            if self.config.prefill_step_target is not None:  # only then is the cost model read
+                self.scheduler.step_cost.observe(sched.num_scheduled_tokens, time.monotonic() - t0,
+                                                 sched.attention_pairs)
         self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
-    def _detokenize(self, req: Request) -> None:
-        """The output step of one request (text, stop strings); a failure there fails it alone."""
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], float]:
+        """The forward and the sampling of a scheduled step: ``(request id -> sampled token id, seconds)``.
+        A request whose forward rows, logits or draw fail is finished with an error here, alone."""
+        if sched.is_empty:
+            return {}, 0.0
+        tf = time.monotonic()
+        logits, sampling, failed = execute_isolated(self.runner, sched.scheduled, sched.blocks_to_copy)
+        if logits is not None:  # None: no request samples this step, so none forks
+            logits, sampling = add_fork_rows(logits, sampling)
+        logits, sampling, bad_rows = reject_non_finite(logits, sampling)
+        sampled, bad_samples = sample_isolated(self.sampler, logits, sampling)
+        for req, error in failed + bad_rows + bad_samples:  # these fail alone; the others go on
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+        return sampled, time.monotonic() - tf
+
+    def _observe(self, t0: float, forward_time: float, sched: SchedulerOutput,
+                 batch_slots: tuple[BatchSlotSnapshot, ...], changed: list[Request], finished: list[Request]) -> None:
+        """Record the step in the telemetry; telemetry only observes: its failure must not lose the outputs."""
         try:
-            for stopped in self.output_processor.process_tokens([req]):
-                self.scheduler.finish(stopped, RequestStatus.FINISHED_STOPPED)
+            self._record(t0, forward_time, sched, batch_slots, changed, finished)
+        except Exception:
+            log.exception("recording telemetry failed at step %d; the step's outputs are delivered", self.step_count)
+            self.kv.pool.emit_frame()  # the KV events of this step are lost: the next step starts from a frame
+
+    def _on_token(self, req: Request, token_stop: Stop | None) -> Stop | None:
+        """The scheduler's per-token hook: the output processor's text and stop strings; a fault there
+        fails this sequence alone."""
+        try:
+            return self.output_processor.on_token(req, token_stop)
         except Exception as e:
             log.exception("detokenizing failed for request %s", req.request_id)
-            self._fail(req, f"detokenizing failed: {e!r}")
+            return Stop(RequestStatus.FINISHED_ERROR, error=f"detokenizing failed: {e!r}")
 
     def _fail(self, req: Request, error: str) -> None:
         """Fail one sequence: finished now (blocks freed), or, if a token-level stop finished it this
@@ -392,42 +299,58 @@ class EngineCore:
             log.exception("recording telemetry after failing every request failed")
         return outputs
 
-    @staticmethod
-    def _add_fork_rows(logits, sampling: list[Request]):
-        """Parallel sampling: a first sequence whose prompt is now computed lends its logits row to
-        each sibling about to fork from it, so each draws its own first token."""
-        extra = [(i, sib) for i, r in enumerate(sampling) for sib in r.pending_forks if not sib.is_finished]
-        if not extra:
-            return logits, sampling
-        rows = torch.tensor([i for i, _ in extra], device=logits.device)
-        return torch.cat([logits, logits.index_select(0, rows)]), sampling + [sib for _, sib in extra]
-
     def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
-        """One :class:`RequestOutput` per user request touched this step (all n sequences of it)."""
+        """One :class:`RequestOutput` per sequence touched this step (the children of an n > 1 request
+        each under their own id; the front merges them, :mod:`engine.parallel_sampling`), and one for each
+        waiting or running sequence whose :class:`RequestState` changed without a token (its place in the
+        queue, a prompt chunk, a preemption). Every output carries its request's state."""
+        waiting = self.scheduler.waiting
+        # the head of the queue every step, the whole queue every QUEUE_REFRESH_STEPS steps: a deep queue
+        # whose positions all shift at each admission must not cost an output per waiting request per step
+        deep = self.report_whole_queue and self.step_count % QUEUE_REFRESH_STEPS == 0
+        head = list(waiting) if deep else list(itertools.islice(waiting, QUEUE_REPORT_DEPTH))
+        queue = {r.request_id: i for i, r in enumerate(head)}
+        seen = {r.request_id for r in touched}
+        moved = [r for r in head + self.scheduler.running
+                 if r.request_id not in seen and self._reported.get(r.request_id) != self._state_of(r, queue)]
         outs = []
         seen = set()
-        for req in touched:
-            gid = req.group_id
-            if gid in seen:
+        for req in touched + moved:
+            if req.request_id in seen:
                 continue
-            seen.add(gid)
-            seqs = self._groups.get(gid, [req])
+            seen.add(req.request_id)
             try:
-                out = self.output_processor.make_output(req, seqs)
+                out = self.output_processor.make_output(req)
             except Exception as e:  # building this request's output failed: it fails alone
-                log.exception("building the output of request %s failed", gid)
-                for seq in seqs:
-                    self._fail(seq, f"building the output failed: {e!r}")
-                out = error_output(req, seqs)
+                log.exception("building the output of request %s failed", req.request_id)
+                self._fail(req, f"building the output failed: {e!r}")
+                out = error_output(req)
+            out.state = self._state_of(req, queue)
+            if req.first_token_time is not None:  # the part of the wait the engine was held (Pause)
+                out.metrics["paused_time"] = self.pacing.held_time(req.arrival_time, req.first_token_time)
             if out.finished:
-                self._groups.pop(gid, None)
-                self._live.discard(gid)
+                self._live.discard(req.request_id)
+                self._reported.pop(req.request_id, None)
+            else:
+                self._reported[req.request_id] = out.state
             outs.append(out)
         return outs
 
+    def _state_of(self, req: Request, queue: dict[str, int]) -> RequestState:
+        """Where ``req`` stands now; ``queue``: request id -> index in the waiting queue."""
+        if req.is_finished:
+            return RequestState("finished", preempted=req.num_preemptions > 0)
+        if req.request_id in queue:
+            return RequestState("queued", position=queue[req.request_id] + 1, waiting=len(queue),
+                                preempted=req.num_preemptions > 0)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return RequestState("prefilling", computed=req.num_computed_tokens, prompt=req.num_prompt_tokens,
+                                preempted=req.num_preemptions > 0)
+        return RequestState("decoding", preempted=req.num_preemptions > 0)
+
     def _record(self, t0: float, forward_time: float, sched: SchedulerOutput,
                 batch_slots: tuple[BatchSlotSnapshot, ...], changed: list[Request], finished: list[Request]) -> None:
-        kv = self.kv.snapshot(self.scheduler.running)
+        kv = self._kv_snapshot()
         self.peak_used_blocks = max(self.peak_used_blocks, kv.num_used_blocks)
         now = time.monotonic()
         self.telemetry.record(
@@ -455,9 +378,19 @@ class EngineCore:
                 waiting=tuple(r.request_id for r in self.scheduler.waiting),
                 block_takes=self.kv.pool.take_events(),
                 block_origins=kv.block_origins,
+                **self._kv_fields(kv, ()),
             )
         )
         self._record_finished(finished, now)
+
+    def _kv_snapshot(self):
+        """The KV cache after the step: with per-block tuples only for a pool the telemetry keeps them for."""
+        return self.kv.snapshot(self.scheduler.running, self.telemetry.keeps_block_tuples(self.kv.num_blocks))
+
+    def _kv_fields(self, kv, earlier_events: tuple) -> dict:
+        """The snapshot fields of the step's KV events (after ``earlier_events``: an amended step's)."""
+        return dict(kv_events=earlier_events + self.kv.pool.pop_events(), request_fill=kv.request_fill,
+                    used_blocks=kv.num_used_blocks, pool_blocks=self.kv.num_blocks, kv_history=self.telemetry.kv_history)
 
     def _amend_telemetry(self) -> None:
         """Between steps (a paused engine took requests or aborts): the newest snapshot's pool, block tables
@@ -467,25 +400,27 @@ class EngineCore:
         if last is None:  # before the first step: only the queue (amend_latest sets it otherwise)
             self.telemetry.set_queue(waiting)
             return
-        kv = self.kv.snapshot(self.scheduler.running)
+        kv = self._kv_snapshot()
         self.telemetry.amend_latest(dataclasses.replace(
             last, block_tables=kv.block_tables, block_refcount=kv.block_refcount, block_tokens=kv.block_tokens,
             block_reuses=kv.block_reuses, cached_blocks=kv.cached_blocks, cache_hit_blocks=kv.cache_hit_blocks,
             block_origins=kv.block_origins, num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
+            **self._kv_fields(kv, last.kv_events),
         ))
 
     def _record_finished(self, finished: list[Request], now: float) -> None:
         """Latency records of finished requests; time the engine was held by a pause is left out of TTFT,
         TPOT and e2e (it measures the presenter, not the engine)."""
-        held = self.telemetry.held_time
+        held = self.pacing.held_time
         for r in finished:
             end = r.finish_time or now
             ttft, tpot = r.ttft, r.tpot
-            if ttft is not None:
-                ttft = max(0.0, ttft - held(r.arrival_time, r.first_token_time, now))
-            if tpot is not None:
+            first, last = r.first_token_time, r.finish_time  # set whenever ttft / tpot are
+            if ttft is not None and first is not None:
+                ttft = max(0.0, ttft - held(r.arrival_time, first, now))
+            if tpot is not None and first is not None and last is not None:
                 n = len(r.output_token_ids) - 1
-                tpot = max(0.0, tpot - held(r.first_token_time, r.finish_time, now) / n)
+                tpot = max(0.0, tpot - held(first, last, now) / n)
             self.telemetry.record_finished(
                 FinishedRequestStats(r.request_id, ttft, tpot, max(0.0, end - r.arrival_time - held(r.arrival_time, end, now)),
                                      r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)

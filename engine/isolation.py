@@ -66,7 +66,11 @@ def execute_isolated(runner, scheduled: list[tuple[Request, int]], blocks_to_cop
     parts: list[tuple[torch.Tensor | None, list[Request]]] = []
     failed: Failed = []
     _narrow(runner, scheduled, parts, failed)
-    rows = [lg for lg, s in parts if s]
+    rows: list[torch.Tensor] = []
+    for lg, s in parts:
+        if s:
+            assert lg is not None  # execute_model returns logits whenever a request samples
+            rows.append(lg)
     sampling = [r for _, s in parts for r in s]
     logits = torch.cat(rows) if rows else None
     return logits, sampling, failed
@@ -130,14 +134,14 @@ def sample_isolated(sampler, logits: torch.Tensor | None, sampling: list[Request
         return {}, []
     # a request's generator is advanced once per step; a batch that raises after some rows drew must not
     # make their retry draw again (a seeded request would no longer reproduce its solo tokens)
-    states = [(r, r.generator.get_state()) for r in sampling if r.generator is not None]
+    states = [(g, g.get_state()) for r in sampling if (g := r.generator) is not None]
     try:
         tokens = sampler.sample(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens)}, []
     except Exception as e:
         log.warning("sampling the batch failed (%r); sampling each request alone", e)
-    for r, state in states:
-        r.generator.set_state(state)
+    for g, state in states:
+        g.set_state(state)
     sampled: dict[str, int] = {}
     failed: Failed = []
     for i, req in enumerate(sampling):
@@ -149,11 +153,10 @@ def sample_isolated(sampler, logits: torch.Tensor | None, sampling: list[Request
     return sampled, failed
 
 
-def error_output(req: Request, seqs: list[Request]) -> RequestOutput:
-    """A minimal final :class:`RequestOutput` of a failed request whose own output could not be built:
-    no new text, each sequence's finish reason and the first error."""
-    completions = [CompletionOutput(s.index, s.output_text, list(s.output_token_ids), "", s.status.finish_reason)
-                   for s in seqs]
-    return RequestOutput(request_id=req.group_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                         outputs=completions, finished=all(s.is_finished for s in seqs),
-                         error=next((s.error for s in seqs if s.error), "request failed"), metrics={})
+def error_output(seq: Request) -> RequestOutput:
+    """A minimal final :class:`RequestOutput` of a failed sequence whose own output could not be built:
+    no new text, its finish reason and error."""
+    completion = CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), "", seq.status.finish_reason)
+    return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                         outputs=[completion], finished=seq.is_finished, error=seq.error or "request failed",
+                         metrics={})

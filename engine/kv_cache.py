@@ -4,6 +4,12 @@ Only ids and counts live here; the K/V tensors themselves are owned by the model
 ``kernels/__init__.py``). The design follows vLLM's v1 KV cache manager (PagedAttention, Kwon et al.,
 SOSP 2023; automatic prefix caching as in vLLM/SGLang): fixed-size blocks, refcounts, an LRU free
 queue, and a hash map from a full block's content hash to the block that holds it.
+
+One meaning of *cached* throughout: a block is cached when its content hash is in that map
+(:attr:`BlockPool.hash_to_block`), so a request whose prompt starts with the same tokens can find it; a
+*cached-free* block has refcount 0 but is still findable until it is taken for new data. A request's
+*hashed* blocks (:attr:`KVCacheManager.num_hashed_blocks`) are its leading full blocks already entered
+in the map.
 """
 
 from __future__ import annotations
@@ -12,40 +18,24 @@ import collections
 import hashlib
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import FREE_BLOCK_ORDERS
+from engine.kv_events import (  # BlockTake and TAKE_* are re-exported
+    TAKE_CACHED,
+    TAKE_NEW,
+    TAKE_OWN,
+    TAKE_REUSED,
+    TAKE_SHARED,
+    BlockEvicted,
+    BlockFreed,
+    BlockStored,
+    BlockTake,
+    KVFrame,
+    PrefixCacheCleared,
+)
 from engine.request import Request
-
-# BlockTake.kind: where a block a request takes comes from
-TAKE_NEW = "new"  # never held by any request before
-TAKE_REUSED = "reused"  # freed by another request; its old contents are overwritten
-TAKE_CACHED = "cached"  # a free block still holding a cached prefix (prefix-cache hit): contents kept
-TAKE_SHARED = "shared"  # a prefix-cache hit on a block another request holds now (refcount > 1)
-TAKE_OWN = "own"  # freed by the same request before (it was preempted, or a copy-on-write of its own)
-
-
-@dataclass(frozen=True)
-class BlockTake:
-    """Provenance of one block a request took: whose it was before and when it was freed (plain data).
-
-    Attributes:
-        block_id: the physical block.
-        request_id: the request that took it.
-        step: the engine step in which it was taken.
-        kind: one of ``"new"``, ``"reused"``, ``"cached"``, ``"shared"``, ``"own"`` (see the ``TAKE_*``
-            constants).
-        previous_owner: the request that held it last before (None for a block never used).
-        freed_step: the engine step in which that owner freed it (None when never freed: a new or a
-            shared block).
-    """
-
-    block_id: int
-    request_id: str
-    step: int
-    kind: str
-    previous_owner: str | None = None
-    freed_step: int | None = None
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str | None = None) -> bytes:
@@ -75,6 +65,10 @@ class BlockPool:
     it was freed), at a cost proportional to the blocks taken or freed, never to the pool;
     :meth:`take_events` hands them over once per step, :attr:`origins` keeps the take of every held block.
 
+    Events: every change (takes, frees, hashes stored, evicted or cleared) is also appended to one ordered
+    stream (:mod:`engine.kv_events`), which starts with a :class:`KVFrame` of the empty pool;
+    :meth:`pop_events` hands it over (the engine: once per step, into the telemetry).
+
     Attributes:
         ref_cnt: per block, number of block tables holding it.
         block_hash: per block, its content hash when full and cached, else None.
@@ -86,7 +80,7 @@ class BlockPool:
         ValueError: ``num_blocks`` < 1 or an unknown ``free_block_order``.
     """
 
-    def __init__(self, num_blocks: int, free_block_order: str = "lru") -> None:
+    def __init__(self, num_blocks: int, free_block_order: str = "lru", block_size: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         if free_block_order not in FREE_BLOCK_ORDERS:
@@ -97,6 +91,8 @@ class BlockPool:
         self.freed_step: list[int | None] = [None] * num_blocks
         self.origins: dict[int, BlockTake] = {}  # held block -> how its holder(s) got it
         self._takes: list[BlockTake] = []  # taken since the last take_events()
+        self.block_size = block_size
+        self._events: list = [KVFrame(0, num_blocks, block_size)]  # since the last pop_events()
         self._origins_copy: dict[int, BlockTake] | None = {}  # a frozen copy for snapshots; None when stale
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -105,7 +101,7 @@ class BlockPool:
         # blocks never used are taken lowest id first in either order
         ids = range(num_blocks) if free_block_order == "lru" else range(num_blocks - 1, -1, -1)
         self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in ids)
-        self.cached: dict[bytes, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.num_evictions = 0
 
     @property
@@ -130,6 +126,7 @@ class BlockPool:
 
     def _record_take(self, take: BlockTake) -> None:
         self._takes.append(take)
+        self._events.append(take)
         if take.kind != TAKE_SHARED:  # a shared block keeps the origin of its first holder
             self.origins[take.block_id] = take
             self._origins_copy = None
@@ -138,6 +135,18 @@ class BlockPool:
         """The blocks taken since the last call, in order (the engine calls it once per step)."""
         out, self._takes = tuple(self._takes), []
         return out
+
+    def pop_events(self) -> tuple:
+        """The KV events (:mod:`engine.kv_events`) since the last call, in order."""
+        out, self._events = tuple(self._events), []
+        return out
+
+    def emit_frame(self) -> None:
+        """Append a :class:`KVFrame` of the whole state now to the events (O(num_blocks)): a reader that
+        lost events (a telemetry record that failed) is whole again from it."""
+        self._events.append(KVFrame(self.step, self.num_blocks, self.block_size,
+                                    {b: n for b, n in enumerate(self.reuses) if n},
+                                    frozenset(b for b, h in enumerate(self.block_hash) if h is not None), dict(self.origins)))
 
     def origins_snapshot(self) -> dict[int, BlockTake]:
         """A copy of :attr:`origins` (held block -> its :class:`BlockTake`) that is never changed later;
@@ -161,9 +170,10 @@ class BlockPool:
             bid, _ = self.free_queue.popitem(last=mru)
             h = self.block_hash[bid]
             if h is not None:
+                self._events.append(BlockEvicted(bid, h))
                 self.block_hash[bid] = None
-                if self.cached.get(h) == bid:
-                    del self.cached[h]
+                if self.hash_to_block.get(h) == bid:
+                    del self.hash_to_block[h]
                 self.num_evictions += 1
             self.ref_cnt[bid] = 1
             self._mark_owner(bid, owner)
@@ -189,6 +199,7 @@ class BlockPool:
             if self.ref_cnt[bid] == 0:
                 self.free_queue[bid] = None
                 self.freed_step[bid] = self.step
+                self._events.append(BlockFreed(bid, self.last_owner[bid], self.step))
                 if self.origins.pop(bid, None) is not None:
                     self._origins_copy = None
             elif self.ref_cnt[bid] < 0:
@@ -196,17 +207,20 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content ``block_hash``, or None."""
-        return self.cached.get(block_hash)
+        return self.hash_to_block.get(block_hash)
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Record that full block ``block_id`` holds content ``block_hash``. If another block already
-        holds the same content, the map keeps that one and this block stays uncached."""
+    def cache(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
+              token_ids: tuple[int, ...] = ()) -> None:
+        """Record that full block ``block_id`` holds content ``block_hash`` (chained on ``parent_hash``, of
+        ``token_ids``: both only for the :class:`BlockStored` event). If another block already holds the
+        same content, the map keeps that one and this block stays uncached."""
         if self.block_hash[block_id] is not None:
             return
-        if block_hash in self.cached:
+        if block_hash in self.hash_to_block:
             return
         self.block_hash[block_id] = block_hash
-        self.cached[block_hash] = block_id
+        self.hash_to_block[block_hash] = block_id
+        self._events.append(BlockStored(block_id, block_hash, parent_hash, tuple(token_ids)))
 
     def cached_free_blocks(self) -> list[int]:
         """Free blocks that still hold a findable prefix."""
@@ -214,19 +228,30 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of free blocks."""
+        ids, hashes = [], []
         for b in self.free_queue:
             h = self.block_hash[b]
             if h is not None:
                 self.block_hash[b] = None
-                self.cached.pop(h, None)
+                self.hash_to_block.pop(h, None)
+                ids.append(b)
+                hashes.append(h)
+        if ids:
+            self._events.append(PrefixCacheCleared(tuple(ids), tuple(hashes)))
 
 
 @dataclass(frozen=True)
 class KVCacheSnapshot:
     """Plain-data view of the paged KV cache after a step (for telemetry; safe to keep).
 
+    The per-block fields (``block_refcount`` to ``block_origins``) cost O(num_blocks) and are None when
+    :meth:`KVCacheManager.snapshot` is asked for none (a large pool: the telemetry rebuilds them from the
+    KV events on demand); everything else costs O(running requests) or less.
+
     Attributes:
         block_tables: request id -> physical block ids, for each request given to :meth:`KVCacheManager.snapshot`.
+        request_fill: request id -> ``(num_computed_tokens, num_hit_blocks)`` for the same requests (tokens;
+            leading blocks it got from the prefix cache): with the block tables, what each block holds.
         block_refcount: per physical block, the number of block tables holding it.
         block_tokens: per physical block, tokens filled in it (0..block_size; ``block_size`` for a
             cached-free block).
@@ -239,15 +264,16 @@ class KVCacheSnapshot:
     """
 
     block_tables: dict[str, tuple[int, ...]]
-    block_refcount: tuple[int, ...]
-    block_tokens: tuple[int, ...]
-    block_reuses: tuple[int, ...]
-    cached_blocks: frozenset[int]
-    cache_hit_blocks: frozenset[int]
+    block_refcount: tuple[int, ...] | None
+    block_tokens: tuple[int, ...] | None
+    block_reuses: tuple[int, ...] | None
+    cached_blocks: frozenset[int] | None
+    cache_hit_blocks: frozenset[int] | None
     num_used_blocks: int
-    block_origins: dict[int, BlockTake]
+    block_origins: dict[int, BlockTake] | None
     prefix_cache_queries: int
     prefix_cache_hits: int
+    request_fill: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -264,10 +290,12 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  free_block_order: str = "lru") -> None:
-        self.pool = BlockPool(num_blocks, free_block_order)
+        self.pool = BlockPool(num_blocks, free_block_order, block_size)
+        self._tables: dict[str, tuple[int, ...]] = {}  # request id -> its block table as last snapshotted
+        self._dirty: set[str] = set()  # requests whose block table changed since the last snapshot
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+        self.num_hashed_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
         self.block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
@@ -366,6 +394,8 @@ class KVCacheManager:
         hits_in_free = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
         if new + len(cow) + hits_in_free > self.pool.num_free_blocks:
             return None
+        if cow or computed_blocks or new:
+            self._dirty.add(request.request_id)
         for i in cow:
             src = request.block_ids[i]
             dst = self.pool.allocate(1, request.request_id)[0]
@@ -376,7 +406,7 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks, request.request_id)
             request.block_ids.extend(computed_blocks)
-            self.num_cached_blocks[request.request_id] = len(request.block_ids)
+            self.num_hashed_blocks[request.request_id] = len(request.block_ids)
         new_ids = self.pool.allocate(new, request.request_id) if new else []
         request.block_ids.extend(new_ids)
         return new_ids
@@ -387,20 +417,23 @@ class KVCacheManager:
             return
         rid = request.request_id
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        start = self.num_cached_blocks.get(rid, 0)
+        start = self.num_hashed_blocks.get(rid, 0)
         if full <= start:
             return
         hashes = self._hashes(request, full)
+        tokens, bs = request.all_token_ids, self.block_size
         for i in range(start, full):
-            self.pool.cache(request.block_ids[i], hashes[i])
-        self.num_cached_blocks[rid] = full
+            self.pool.cache(request.block_ids[i], hashes[i], hashes[i - 1] if i else None,
+                            tuple(tokens[i * bs : (i + 1) * bs]))
+        self.num_hashed_blocks[rid] = full
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the same block table as ``parent`` (one more reference on each block);
         later writes into a shared block copy it first (see :meth:`allocate_slots`)."""
         self.pool.touch(parent.block_ids, None)
         child.block_ids = list(parent.block_ids)
-        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        self._dirty.add(child.request_id)
+        self.num_hashed_blocks[child.request_id] = self.num_hashed_blocks.get(parent.request_id, 0)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write ``(src, dst)`` block copies planned since the last call."""
@@ -413,37 +446,52 @@ class KVCacheManager:
         if request.block_ids:
             self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.num_hashed_blocks.pop(request.request_id, None)
+        self._dirty.add(request.request_id)
 
     def forget(self, request: Request) -> None:
         """Drop the request's per-request caches (hash list); call when it is finished."""
         self.block_hashes.pop(request.request_id, None)
 
-    def snapshot(self, requests: Iterable[Request]) -> KVCacheSnapshot:
+    def block_tables(self, requests: Iterable[Request]) -> dict[str, tuple[int, ...]]:
+        """Request id -> block table (a tuple) of each of ``requests``; a table unchanged since the last
+        call is the same tuple again, so the cost is O(requests + blocks that changed hands)."""
+        cache, dirty, out = self._tables, self._dirty, {}
+        for r in requests:
+            rid, ids = r.request_id, r.block_ids
+            t = cache.get(rid)
+            if t is None or rid in dirty or len(t) != len(ids) or (ids and t[-1] != ids[-1]):
+                t = cache[rid] = tuple(ids)
+            out[rid] = t
+        if len(cache) > len(out):
+            for rid in [k for k in cache if k not in out]:
+                del cache[rid]
+        dirty.clear()
+        return out
+
+    def snapshot(self, requests: Iterable[Request], per_block: bool = True) -> KVCacheSnapshot:
         """A :class:`KVCacheSnapshot` of the pool, with the block tables of ``requests`` (the running
-        ones). ``request.num_hit_blocks`` leading blocks of each count as prefix-cache hits."""
+        ones). ``request.num_hit_blocks`` leading blocks of each count as prefix-cache hits. Without
+        ``per_block`` the per-block fields are None and the cost is independent of the pool size."""
+        requests = list(requests)
         bs = self.block_size
         pool = self.pool
-        tables: dict[str, tuple[int, ...]] = {}
+        tables = self.block_tables(requests)
+        fill = {r.request_id: (r.num_computed_tokens, r.num_hit_blocks) for r in requests}
+        common: dict[str, Any] = dict(block_tables=tables, request_fill=fill, num_used_blocks=pool.num_used_blocks,
+                      prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits)
+        if not per_block:
+            return KVCacheSnapshot(block_refcount=None, block_tokens=None, block_reuses=None, cached_blocks=None,
+                                   cache_hit_blocks=None, block_origins=None, **common)
         tokens = [0] * pool.num_blocks
         hit_blocks: set[int] = set()
         for r in requests:
-            tables[r.request_id] = tuple(r.block_ids)
             hit_blocks.update(r.block_ids[: r.num_hit_blocks])
             for j, b in enumerate(r.block_ids):
                 tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
         cached = pool.cached_free_blocks()
         for b in cached:
             tokens[b] = bs
-        return KVCacheSnapshot(
-            block_tables=tables,
-            block_refcount=tuple(pool.ref_cnt),
-            block_tokens=tuple(tokens),
-            block_reuses=tuple(pool.reuses),
-            cached_blocks=frozenset(cached),
-            cache_hit_blocks=frozenset(hit_blocks),
-            num_used_blocks=pool.num_used_blocks,
-            block_origins=pool.origins_snapshot(),
-            prefix_cache_queries=self.prefix_queries,
-            prefix_cache_hits=self.prefix_hits,
-        )
+        return KVCacheSnapshot(block_refcount=tuple(pool.ref_cnt), block_tokens=tuple(tokens),
+                               block_reuses=tuple(pool.reuses), cached_blocks=frozenset(cached),
+                               cache_hit_blocks=frozenset(hit_blocks), block_origins=pool.origins_snapshot(), **common)

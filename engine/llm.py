@@ -6,6 +6,7 @@ import logging
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.parallel_sampling import ParentRequest, child_ids
 from engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class LLM:
             cfg = EngineConfig.from_kwargs(dtype=dtype, **engine_args)
             self.engine = EngineCore(cfg, model=model, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
+        self.engine.report_whole_queue = False  # offline: nobody reads the places of a deep queue
         self._counter = 0
 
     @property
@@ -73,20 +75,22 @@ class LLM:
         reqs = []
         for p, sp in zip(prompts, params):
             self._counter += 1
-            reqs.append(self.engine.make_request(f"offline-{self._counter}", p, sp))
-        ids = {r.group_id for r in reqs}
+            reqs.append(self.engine.input_processor.process(f"offline-{self._counter}", p, sp))  # caller's thread
+        parents = [ParentRequest(r) if r.pending_forks else None for r in reqs]  # n > 1: built before the forks
+        ids = {rid for r in reqs for rid in child_ids(r)}  # every sequence (n > 1: each child)
         final: dict[str, RequestOutput] = {}
         try:
             for r in reqs:
                 self.engine.enqueue(r)
-            while len(final) < len(reqs):
+            while len(final) < len(ids):
                 for out in self.engine.step():
                     if out.finished and out.request_id in ids:
                         final[out.request_id] = out
         except BaseException:  # a step raised (or Ctrl-C): free everything this call admitted, then re-raise
             self._abort(ids - set(final))
             raise
-        return [final[r.group_id] for r in reqs]
+        return [final[r.request_id] if p is None else p.merge([final[c] for c in p.children])
+                for r, p in zip(reqs, parents)]
 
     def _abort(self, ids: set[str]) -> None:
         """Abort the requests ``ids`` now (their blocks go back to the pool) so the next call starts clean."""

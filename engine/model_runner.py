@@ -13,6 +13,7 @@ Two forwards, chosen once per engine (``EngineConfig.forward``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import kernels
 from engine.config import DEFAULT_KV_CACHE_MEMORY, FORWARDS, EngineConfig
 from engine.models import build_forward
 from engine.request import Request
+from engine.static_decode import StaticDecode
 
 ATTN_NAME = "cbp_paged"
 
@@ -118,13 +120,22 @@ class ModelRunner:
         forward: ``"auto"`` (the engine's own forward where it owns the architecture) or
             ``"transformers"`` (transformers' modules with our attention).
         batch_invariant: the own forward's batch-invariant mode (see :class:`engine.models.LlamaForward`).
+        static_decode: ``"auto"`` / ``"on"`` / ``"off"``: pure decode steps of the own forward on static
+            padded buffers (:class:`engine.static_decode.StaticDecode`; CUDA graphs on CUDA); ``"auto"``
+            on CUDA only. Ignored (eager) with transformers' modules.
+        max_num_seqs, max_model_len: the largest padded batch (requests) and the block-table width
+            (tokens) of the static buffers.
+
+    Attributes:
+        static: the :class:`engine.static_decode.StaticDecode` runner, or None (eager steps only).
 
     Raises:
         ValueError: for another ``forward`` name, or ``batch_invariant`` without the own forward.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, forward: str = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, static_decode: str = "auto", max_num_seqs: int = 64,
+                 max_model_len: int | None = None) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
         if batch_invariant and forward != "auto":
@@ -155,6 +166,10 @@ class ModelRunner:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
+        self.static: StaticDecode | None = None
+        if self.own_forward is not None and (static_decode == "on" or (static_decode == "auto" and self.device.type == "cuda")):
+            self.static = StaticDecode(self.own_forward, self.kv_caches, block_size, max_num_seqs,
+                                       max_model_len or num_blocks * block_size, use_graphs=True)
 
     def prepare(self, scheduled: list[tuple[Request, int]]):
         """Pack the step: returns ``(input_ids [1, T], positions [1, T], metadata, logits_rows,
@@ -220,7 +235,7 @@ class ModelRunner:
             value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[tuple[Request, int]], blocks_to_copy: list[tuple[int, int]] = ()
+    def execute_model(self, scheduled: list[tuple[Request, int]], blocks_to_copy: Sequence[tuple[int, int]] = ()
                 ) -> tuple[torch.Tensor | None, list[Request]]:
         """Make the step's copy-on-write block copies, then one forward pass over every scheduled token.
 
@@ -229,6 +244,8 @@ class ModelRunner:
             (None and [] when none does).
         """
         self.copy_blocks(list(blocks_to_copy))
+        if self.static is not None and self.static.supports(scheduled):
+            return self.static.execute(scheduled), [req for req, _ in scheduled]
         input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
         if self.own_forward is not None:
             logits = self.own_forward.forward(input_ids[0], positions[0], meta, rows)

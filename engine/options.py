@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
-from engine.config import FORWARDS, FREE_BLOCK_ORDERS, POLICIES, EngineConfig
+from engine.config import FORWARDS, FREE_BLOCK_ORDERS, POLICIES, STATIC_DECODE, EngineConfig
 
 ENV_PREFIX = "CBP_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -116,6 +116,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "token budget of one engine step (tokens); longer prompts are prefilled in chunks", low=1),
     Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
            "while any request decodes, each prompt computes at most this many tokens per step", low=1),
+    Option("prefill_step_target", float, None,
+           "instead of a fixed chunk: while any request decodes, size a step's prompt tokens so that the step "
+           "takes about this many times its decode rows alone (a ratio > 1, e.g. 3; learned from the steps run)",
+           low=1.0, low_open=True, high=1e6),
     Option("block_size", int, _CFG["block_size"], "tokens per KV block", low=1),
     Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory; the playground "
                                     "app: 384 when neither is given)", low=1),
@@ -136,6 +140,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("batch_invariant", bool, _CFG["batch_invariant"],
            "a request's tokens do not depend on the rest of the batch, on chunking or on prefix-cache hits "
            "(linears in fixed row tiles; slower, see docs/performance.md)"),
+    Option("static_decode", str, _CFG["static_decode"],
+           "decode steps on static buffers padded to a few batch sizes, replayed from CUDA graphs on a GPU: "
+           "auto = on CUDA only, on = on any device (CPU: eager, for tests), off = never (vLLM's --enforce-eager)",
+           choices=STATIC_DECODE),
 )
 
 # The playground's own defaults: a small pool and few slots, so that the panels show slots being

@@ -1,17 +1,18 @@
 """The engine's output step: sampled token ids -> text deltas, stop strings, :class:`RequestOutput`.
 
-It runs after :meth:`engine.scheduler.Scheduler.update_from_output` in every step. The scheduler stops
-requests on token-level conditions (EOS, stop token ids, ``max_tokens``, the context length); this step
-turns each new token into UTF-8-safe text with the request's :class:`IncrementalDetokenizer` and finds
-stop *strings*, which only the text can show; the requests they end are handed back to the caller,
-which finishes them in the scheduler (so their blocks return to the pool in the same step). vLLM v1
-splits the work the same way (its detokenizer and stop-string check live in the output processor).
+:meth:`OutputProcessor.on_token` runs for every token the scheduler appends
+(:meth:`engine.scheduler.Scheduler.update_from_output` calls it through the engine core): it turns the
+token into UTF-8-safe text with the request's :class:`IncrementalDetokenizer`, finds stop *strings*
+(only the text can show them) and returns the request's stop by the one rule of :mod:`engine.stopping`;
+the scheduler applies it once, so the blocks of a request that ends return to the pool in the same step.
+vLLM v1 also keeps the detokenizer and the stop-string check in its output processor.
 """
 
 from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from engine.stopping import Stop, resolve
 
 
 class OutputProcessor:
@@ -33,70 +34,54 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
                                       params.include_stop_str_in_output)
 
-    def process_tokens(self, changed: list[Request]) -> list[Request]:
-        """Turn the newest token of each request in ``changed`` into text (``request.pending_text``).
-
-        A request that the scheduler already finished (EOS, stop token, length) gets its held-back text
-        flushed. A stop string that completes sets ``request.stop_reason`` to it; a request that hit
-        ``max_tokens`` on the same token becomes ``FINISHED_STOPPED`` (the stop string wins, as in vLLM).
+    def on_token(self, req: Request, token_stop: Stop | None) -> Stop | None:
+        """Turn ``req``'s newest token into text (``request.pending_text``) and return its stop
+        (:func:`engine.stopping.resolve` of ``token_stop``, the token-level stop, and the stop string this
+        token completed, if any). Called by the scheduler for every appended token, which applies the result.
 
         vLLM's rules: the text of the EOS or stop token that ended a request is left out of its text
-        (kept with ``include_stop_str_in_output``; the token stays in ``token_ids``), and stop strings are
-        looked for only once the request has more than ``min_tokens`` tokens.
-
-        Returns:
-            The still running requests whose stop string matched: the caller must finish them with
-            ``FINISHED_STOPPED``.
+        (kept with ``include_stop_str_in_output``; the token stays in ``token_ids``), stop strings are
+        looked for only once the request has more than ``min_tokens`` tokens, and a request ended by a
+        token or by its length gets the text its detokenizer held back.
         """
-        stopped: list[Request] = []
-        for req in changed:
-            detok = req.detokenizer
-            if detok is None:
-                continue
-            sp = req.sampling_params
-            check = len(req.output_token_ids) > sp.min_tokens
-            if req.status == RequestStatus.FINISHED_STOPPED and not sp.include_stop_str_in_output:
-                delta, stop_str = "", None  # ended by EOS or a stop token id (the scheduler): no text for it
-            else:
-                delta, stop_str = detok.update(req.output_token_ids[-1], check_stop=check)
-            req.pending_text += delta
-            if stop_str is not None:
-                if not req.is_finished:
-                    req.stop_reason = stop_str
-                    stopped.append(req)
-                elif req.status == RequestStatus.FINISHED_LENGTH:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop_str
-                # finished by EOS or a stop token on this very token: the token-level stop stays
-            elif req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                req.pending_text += detok.flush(check_stop=check)
-        return stopped
+        detok = req.detokenizer
+        if detok is None:
+            return token_stop
+        sp = req.sampling_params
+        check = len(req.output_token_ids) > sp.min_tokens
+        if token_stop is not None and token_stop.by_token and not sp.include_stop_str_in_output:
+            delta, stop_str = "", None  # no text for the EOS or stop token that ended it
+        else:
+            delta, stop_str = detok.update(req.output_token_ids[-1], check_stop=check)
+        req.pending_text += delta
+        if stop_str is None and token_stop is not None:
+            req.pending_text += detok.flush(check_stop=check)
+            stop_str = detok.stop_reason  # a stop string the held-back text completed (it cut the text too)
+        return resolve(token_stop, stop_str)
 
     @staticmethod
-    def make_output(req: Request, seqs: list[Request]) -> RequestOutput:
-        """The :class:`RequestOutput` of user request ``req`` whose sequences are ``seqs`` (``n`` of
-        them for parallel sampling); moves each sequence's pending text into its delta."""
-        completions = []
-        for seq in seqs:
-            delta, seq.pending_text = seq.pending_text, ""
-            seq.output_text += delta
-            tokens = list(seq.output_token_ids)
-            logprobs = seq.output_logprobs[:len(tokens)] if seq.sampling_params.logprobs is not None else None
-            completions.append(CompletionOutput(seq.index, seq.output_text, tokens, delta,
-                                                seq.status.finish_reason, seq.stop_reason, logprobs))
-        first = seqs[0]
+    def make_output(seq: Request) -> RequestOutput:
+        """The :class:`RequestOutput` of one sequence (one completion, index ``seq.index``); moves its pending
+        text into the delta. The children of an n > 1 request are merged at the front
+        (:class:`engine.parallel_sampling.ParentRequest`)."""
+        delta, seq.pending_text = seq.pending_text, ""
+        seq.output_text += delta
+        tokens = list(seq.output_token_ids)
+        logprobs = seq.output_logprobs[:len(tokens)] if seq.sampling_params.logprobs is not None else None
+        completion = CompletionOutput(seq.index, seq.output_text, tokens, delta, seq.status.finish_reason,
+                                      seq.stop_reason, logprobs)
         return RequestOutput(
-            request_id=req.group_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=all(seq.is_finished for seq in seqs),
-            error=next((seq.error for seq in seqs if seq.error), None),
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            error=seq.error,
             metrics={
-                "arrival_time": first.arrival_time,
-                "first_token_time": first.first_token_time,
-                "finish_time": first.finish_time,
-                "num_preemptions": first.num_preemptions,
-                "ttft": first.ttft,
+                "arrival_time": seq.arrival_time,
+                "first_token_time": seq.first_token_time,
+                "finish_time": seq.finish_time,
+                "num_preemptions": seq.num_preemptions,
+                "ttft": seq.ttft,
             },
         )

@@ -10,7 +10,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_N = 16  # most parallel completions of one request
 MAX_STOP_STRINGS = 64  # stop strings per request: each is matched against every new token's text
@@ -114,60 +119,67 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Check every field; raise ``ValueError`` naming the first bad one."""
+        """Check every field.
+
+        Raises:
+            engine.errors.RequestError: for the first bad field, with ``param`` its name.
+        """
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
         if self.n > MAX_N:
-            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
+            raise RequestError(f"n must be at most {MAX_N}, got {self.n}", "n")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if not (isinstance(self.repetition_penalty, (int, float)) and 0.01 <= self.repetition_penalty <= 100.0):
-            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+            raise RequestError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}", "repetition_penalty")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in the signed 64-bit range [{SEED_MIN}, {SEED_MAX}], "
-                             f"got {self.seed!r}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise RequestError(f"seed must be an integer in the signed 64-bit range [{SEED_MIN}, {SEED_MAX}], "
+                               f"got {self.seed!r}", "seed")
+        stop, stop_token_ids = self.stop, self.stop_token_ids
+        assert stop is not None and stop_token_ids is not None  # lists since __post_init__
+        if any((not isinstance(s, str)) or s == "" for s in stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+        if any((not isinstance(t, int)) or t < 0 for t in stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise RequestError(f"{name} must be in [-2, 2], got {v!r}", name)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise RequestError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}", "min_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError("logit_bias must map token ids to numbers")
+                raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
             for t, v in self.logit_bias.items():
                 if not isinstance(t, int) or t < 0:
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                    raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}", "logit_bias")
                 if not (isinstance(v, (int, float)) and -100.0 <= v <= 100.0):
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
+                    raise RequestError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}", "logit_bias")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
-            raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+            raise RequestError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)", "allowed_token_ids")
         if self.truncate_prompt_tokens is not None and (
             not isinstance(self.truncate_prompt_tokens, int)
             or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
         ):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}")
+            raise RequestError(f"truncate_prompt_tokens must be -1 or an integer >= 1, "
+                               f"got {self.truncate_prompt_tokens!r}", "truncate_prompt_tokens")
 
     def needs_logits_processing(self, num_output_tokens: int) -> bool:
         """True when sampling the next token after ``num_output_tokens`` must change the logits before the
@@ -256,7 +268,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # per-request state owned by other components
-        self.generator = None  # torch.Generator for seeded sampling (sampler)
+        self.generator: torch.Generator | None = None  # for seeded sampling (sampler)
         # with sampling_params.logprobs: one (token id, logprob, [(top id, logprob), ...]) per output token,
         # written by the sampler when it picks the token (position = its index in output_token_ids)
         self.output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
@@ -333,6 +345,26 @@ class CompletionOutput:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
+@dataclass(frozen=True)
+class RequestState:
+    """Where a request stands after a step: what a chat's status line shows, carried by its outputs.
+
+    Attributes:
+        kind: ``"queued"`` (in the waiting queue), ``"prefilling"`` (prompt tokens still to compute),
+            ``"decoding"`` or ``"finished"``.
+        position, waiting: queued: its 1-based place in the waiting queue and the queue's length.
+        computed, prompt: prefilling: prompt tokens in the KV cache and in the prompt (tokens).
+        preempted: it has been preempted at least once (queued again, or recomputing its prompt).
+    """
+
+    kind: str
+    position: int | None = None
+    waiting: int | None = None
+    computed: int | None = None
+    prompt: int | None = None
+    preempted: bool = False
+
+
 @dataclass
 class RequestOutput:
     """What the engine returns for a request: the whole state so far plus the newest delta.
@@ -340,7 +372,11 @@ class RequestOutput:
     ``text``, ``token_ids``, ``delta`` and ``finish_reason`` are those of ``outputs[0]``.
     ``error`` is set (and ``finish_reason == "error"``) when this request failed alone.
     ``metrics`` holds timings in seconds: ``arrival_time``, ``first_token_time``, ``finish_time``,
-    ``ttft``, and counts (``num_preemptions``).
+    ``ttft`` (wall clock: what the client waited), ``paused_time`` (the part of that wait before the first
+    token during which the engine was held by Pause; the panels' TTFT leaves it out), and counts
+    (``num_preemptions``). ``state`` says where the request stands after the step
+    (:class:`RequestState`): the engine also sends an output without new text when only that changed
+    (its place in the queue, a prompt chunk computed, a preemption).
     """
 
     request_id: str
@@ -350,6 +386,7 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    state: RequestState | None = None
 
     @property
     def text(self) -> str:

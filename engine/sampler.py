@@ -15,11 +15,10 @@ temperature, min-p, then top-k / top-p):
    one uniform number from the row's own ``torch.Generator``.
 
 Every step except the draw is vectorised over the rows that need it; the only per-row Python work is
-reading each request's parameters and drawing one float64 uniform from its generator (about 3 us a
-row). Measured on the 2-core CPU for 64 rows x 49,152: the exponential-race (Gumbel) trick, which needs
-``vocab_size`` random numbers per row, took 85 ms, ``torch.multinomial`` with a generator 100 ms and a
-full sort (for top-p) 140 ms; the inverse-CDF draw here takes well under 1 ms after the softmax, and
-top-p looks first at only the best ``top_p_candidates`` tokens (``topk``, about 4 ms for 64 rows).
+reading each request's parameters and drawing one float64 uniform from its generator. The inverse-CDF
+draw needs one random number per row, where the exponential-race (Gumbel) trick needs ``vocab_size`` and
+``torch.multinomial`` a pass over the whole row, and top-p looks first at only the best
+``top_p_candidates`` tokens (``topk``) instead of sorting the vocabulary (measured in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ class Sampler:
 
     Algorithms and their sources:
 
-    * greedy: ``argmax`` over ``logits.float()`` (float32 argmax is about 5x faster than bfloat16 on the
-      project's CPU; see docs/performance.md). Ties go to the lowest token id (``torch.argmax``).
+    * greedy: ``argmax`` over ``logits.float()`` (float32 argmax is the faster one on the CPU; see
+      docs/performance.md). Ties go to the lowest token id (``torch.argmax``).
     * repetition penalty: CTRL (Keskar et al. 2019, arXiv:1909.05858, section 4.1) as implemented by
       transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``apply_penalties``: for every
       distinct token of ``prompt_token_ids + output_token_ids``, a positive logit is divided by the
@@ -61,7 +60,7 @@ class Sampler:
     * top-p, nucleus sampling (Holtzman et al. 2020, arXiv:1904.09751), with vLLM's / transformers'
       rule: a token is kept iff the probability mass of the tokens ranked strictly above it is
       ``< top_p`` (so the best token is always kept), computed on the distribution left by min-p and
-      top-k. Instead of sorting the whole vocabulary (140 ms for 64 rows on the CPU) it looks at the
+      top-k. Instead of sorting the whole vocabulary (slow on the CPU, docs/performance.md) it looks at the
       best ``top_p_candidates`` tokens (``topk``); a row whose nucleus is larger is retried with 16x as
       many, and a full sort only as the last resort.
     * the draw: inverse-CDF sampling with one uniform ``u`` in [0, 1) per row from that row's generator:
@@ -187,7 +186,11 @@ class Sampler:
         device = raw_logprobs.device
         chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.int64, device=device)
         chosen = raw_logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-        ks = [requests[i].sampling_params.logprobs for i in rows]
+        ks: list[int] = []
+        for i in rows:
+            k = requests[i].sampling_params.logprobs
+            assert k is not None  # rows are the requests that ask for logprobs
+            ks.append(k)
         kmax = min(max(ks), raw_logprobs.shape[1])
         top_vals: list[list[float]] = [[] for _ in rows]
         top_ids: list[list[int]] = [[] for _ in rows]
@@ -219,6 +222,7 @@ class Sampler:
                                   device=device)] = True
                 xr.masked_fill_(~keep, -math.inf)
             if len(req.output_token_ids) < sp.min_tokens:
+                assert sp.stop_token_ids is not None  # a list since SamplingParams.__post_init__
                 stops = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
                     stops |= set(req.eos_token_ids)

@@ -12,7 +12,10 @@ One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
 Latency policy (chunked prefill that never freezes a stream): every running request that decodes
 gets its token first (the budget is reserved for them before any prompt chunk is sized), and while
 at least one request decodes, each prompt's chunk is at most ``prefill_chunk_tokens`` tokens per step
-(vLLM's ``long_prefill_token_threshold`` plays the same role). A long prompt is then prefilled over
+(vLLM's ``long_prefill_token_threshold`` plays the same role). With ``prefill_step_target`` set, the
+prompt tokens of such a step (all prompts together) are sized instead so that the step takes about that
+many times what its decode rows alone take, from a cost model learned from the steps run
+(:mod:`engine.step_cost`). A long prompt is then prefilled over
 several steps, each of them also computing every decode token; with nothing decoding, prompts use the
 whole ``max_num_batched_tokens`` budget.
 
@@ -26,11 +29,15 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.errors import PROMPT, ContextLengthError, RequestError
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCostModel, attention_pairs
+from engine.stopping import Stop, check_token
 from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, BatchSlotSnapshot
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,8 @@ class SchedulerOutput:
         admitted: requests that took a slot this step.
         preempted: requests preempted this step (already back in ``waiting``).
         blocks_to_copy: copy-on-write ``(src, dst)`` block copies to make before the forward.
+        attention_pairs: (query, key) pairs the step's causal attention computes (the step cost model's
+            second term, :func:`engine.step_cost.attention_pairs`).
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -53,6 +62,7 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    attention_pairs: float = 0.0
 
     @property
     def is_empty(self) -> bool:
@@ -66,10 +76,16 @@ class Scheduler:
         config: engine settings (``max_num_seqs``, ``max_num_batched_tokens``, ``policy``).
         kv_cache_manager: the block tables and pool.
         max_model_len: context length (tokens): prompt + generated tokens never exceed it.
+        on_token: called for every appended token with the request and its token-level stop
+            (:func:`engine.stopping.check_token`); returns the request's stop (the engine core's
+            detokenizer and stop strings, :meth:`engine.output_processor.OutputProcessor.on_token`). None:
+            token-level stops only (scheduler-only replays).
     """
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 on_token: Callable[[Request, Stop | None], Stop | None] | None = None) -> None:
         self.config = config
+        self.on_token = on_token
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.static = config.policy == "static"
@@ -78,6 +94,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.batch_slots: list[Request | None] = [None] * config.max_num_seqs
         self.num_preemptions = 0
+        self.step_cost = StepCostModel()  # fed by the engine after each step (prefill_step_target)
         self._finished: list[Request] = []  # ended since the last take_finished()
 
     # ------------------------------------------------------------------ admission
@@ -85,31 +102,34 @@ class Scheduler:
         """Reject a request that could never run.
 
         Raises:
-            ValueError: empty prompt, a prompt that leaves no room for one new token within the
+            engine.errors.RequestError: an empty prompt (``param`` prompt); ``n`` over the batch slots
+                (``param`` n).
+            engine.errors.ContextLengthError: a prompt that leaves no room for one new token within the
                 context length, or one needing more blocks than the pool has.
         """
         n = request.num_prompt_tokens
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", PROMPT)
         if n + 1 > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens, but the context length is {self.max_model_len} tokens "
                 f"(prompt + at least one new token must fit)"
             )
         if 1 + len(request.pending_forks) > len(self.batch_slots):
-            raise ValueError(f"n={1 + len(request.pending_forks)} parallel samples need more than the "
-                             f"{len(self.batch_slots)} batch slots")
+            raise RequestError(f"n={1 + len(request.pending_forks)} parallel samples need more than the "
+                               f"{len(self.batch_slots)} batch slots", "n")
         need = n + (request.max_tokens if self.static else 1)
         if self.kv.blocks_needed(need) > self.kv.num_blocks:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the request needs {self.kv.blocks_needed(need)} KV blocks but the pool has {self.kv.num_blocks}"
             )
 
     def add_request(self, request: Request) -> None:
-        """Queue a checked request (raises ``ValueError`` via :meth:`check_request`)."""
+        """Queue a checked request (raises :class:`engine.errors.RequestError` via :meth:`check_request`, or for
+        an id already in use)."""
         self.check_request(request)
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         for sib in request.pending_forks:
             self.requests[sib.request_id] = sib
@@ -133,6 +153,16 @@ class Scheduler:
         # decode tokens are reserved first, so that no prompt chunk can take them (latency policy)
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         chunk_cap = self.config.prefill_chunk_tokens if decodes_left else budget  # per prompt, per step
+        target = self.config.prefill_step_target
+        if target is not None and decodes_left:  # size the prompt tokens by a target step time instead
+            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            prompt = next((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1), None)
+            chunk = self.step_cost.chunk_tokens(
+                decodes_left, target, budget, decode_pairs=sum(r.num_computed_tokens + 1 for r in decoding),
+                prompt_start=prompt.num_computed_tokens if prompt is not None else 0)
+            if chunk is not None:
+                chunk_cap = chunk
+                budget = min(budget, decodes_left + chunk)  # all prompts together, not each
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -168,6 +198,7 @@ class Scheduler:
         scheduled.sort(key=lambda rn: rn[1] > 1)
         out.scheduled = scheduled
         out.num_scheduled_tokens = sum(n for _, n in scheduled)
+        out.attention_pairs = sum(attention_pairs(r.num_computed_tokens, n) for r, n in scheduled)
         out.preempted = preempted
         out.blocks_to_copy = self.kv.take_copies()
         return out
@@ -229,9 +260,10 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results: advance ``num_computed_tokens``, record full blocks in the prefix
-        cache, fork parallel samples, append the sampled tokens and finish requests that reached a
-        token-level stop (EOS, a stop token id, ``max_tokens`` or the context length). Stop *strings*
-        are the output processor's (they need text): it calls :meth:`finish` for them.
+        cache, fork parallel samples, append the sampled tokens and finish the requests that stop: per
+        token, the token-level stop (:func:`engine.stopping.check_token`: EOS, a stop token id,
+        ``max_tokens``, the context length) goes through ``on_token`` (text and stop strings) and the
+        result is applied here, once.
 
         Args:
             out: the step's :class:`SchedulerOutput`.
@@ -277,24 +309,13 @@ class Scheduler:
             r.output_token_ids.append(t)
             if r.first_token_time is None:
                 r.first_token_time = now
-            status = self._check_stop(r, t)
-            if status is not None:
-                self.finish(r, status)
             changed.append(r)
-
-    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        # before min_tokens tokens exist, EOS and stop token ids do not stop (the sampler masks them too)
-        if len(req.output_token_ids) >= sp.min_tokens:
-            if not sp.ignore_eos and tok in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if tok in sp.stop_token_ids:
-                req.stop_reason = tok
-                return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            stop = check_token(r, self.max_model_len)
+            if self.on_token is not None:
+                stop = self.on_token(r, stop)
+            if stop is not None:  # the one place a generated token ends a request
+                r.stop_reason = stop.reason
+                self.finish(r, stop.status, error=stop.error)
 
     def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
         """End a request (stopped, length, aborted or failed): free its blocks at once. Under the

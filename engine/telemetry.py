@@ -3,6 +3,13 @@
 The engine thread calls :meth:`Telemetry.record` once per step; readers (the UI, benches, tests) call
 :meth:`Telemetry.snapshots` / :meth:`Telemetry.stats` from any thread. Snapshots are plain data
 (tuples, dicts of ints and strings), never live engine objects, so readers can keep them.
+
+KV blocks: every step carries its KV events (``StepSnapshot.kv_events``, :mod:`engine.kv_events`: blocks
+taken, freed, stored, evicted), its block tables and each request's computed tokens, all O(what changed or
+runs). The per-block fields (``block_refcount`` ... ``block_origins``, O(num_blocks) each) are stored in
+the snapshot only for pools up to :attr:`Telemetry.eager_block_limit` blocks (talks: the snapshot is
+self-contained, as before); for larger pools they are rebuilt on first read from the telemetry's
+:class:`engine.kv_events.KVHistory` (replay of the events), while the step is in the ring.
 """
 
 from __future__ import annotations
@@ -14,9 +21,58 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from engine.kv_events import BlockArrays, KVFeed, KVHistory, owner_array
+
 PHASE_IDLE = "idle"
 PHASE_PREFILL = "prefill"
 PHASE_DECODE = "decode"
+EAGER_BLOCK_LIMIT = 512  # pools up to this many blocks (talks) keep per-block tuples in every snapshot (docs/performance.md)
+
+
+class _EmptyMapping(Mapping):
+    """An immutable, hashable empty mapping (a dataclass default)."""
+
+    def __getitem__(self, key):
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+
+_EMPTY: Mapping = _EmptyMapping()
+
+
+class _PerBlock:
+    """A per-block field of :class:`StepSnapshot` (a dataclass field whose default is this descriptor): the
+    value given, or, when None was given, the value rebuilt from the telemetry's KV events on first read."""
+
+    def __init__(self, default: Any = None) -> None:
+        self.default = default
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, objtype=None) -> Any:
+        if obj is None:
+            if self.default is None:  # a required field
+                raise AttributeError(self.name)
+            return self.default
+        value = obj.__dict__[self.slot]
+        return value if value is not None else obj.block_arrays().as_fields[self.name]
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
 
 
 @dataclass(frozen=True)
@@ -78,6 +134,13 @@ class StepSnapshot:
             was freed in).
         block_origins: held block id -> the ``BlockTake`` by which its (first) holder got it, so a block
             taken earlier still says whose it was.
+        kv_events: the KV events of this step, in order (:mod:`engine.kv_events`; the panels and remote
+            readers follow the cache by them).
+        request_fill: request id -> ``(num_computed_tokens, num_hit_blocks)`` of each running request.
+        used_blocks: blocks held (None: counted from ``block_refcount``).
+        pool_blocks: blocks in the pool (None: ``len(block_refcount)``).
+        kv_history: the telemetry's :class:`engine.kv_events.KVHistory`, which rebuilds the per-block fields
+            given as None (``block_refcount`` to ``block_origins``; pools above ``Telemetry.eager_block_limit``).
     """
 
     step: int
@@ -86,31 +149,58 @@ class StepSnapshot:
     forward_time: float
     batch_slots: tuple[BatchSlotSnapshot, ...]
     block_tables: dict[str, tuple[int, ...]]
-    block_refcount: tuple[int, ...]
-    block_tokens: tuple[int, ...]
-    block_reuses: tuple[int, ...]
-    cached_blocks: frozenset[int]
-    num_running: int
-    num_waiting: int
-    num_scheduled_tokens: int
-    num_generated_tokens: int
-    num_preemptions: int
+    block_refcount: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
+    block_tokens: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
+    block_reuses: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
+    cached_blocks: frozenset[int] = _PerBlock()  # type: ignore[assignment]
+    # required at run time (the four above are too: their descriptor has no default); mypy sees a default
+    num_running: int  # type: ignore[misc]
+    num_waiting: int  # type: ignore[misc]
+    num_scheduled_tokens: int  # type: ignore[misc]
+    num_generated_tokens: int  # type: ignore[misc]
+    num_preemptions: int  # type: ignore[misc]
     finished: tuple[str, ...] = ()
     admitted: tuple[str, ...] = ()
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    cache_hit_blocks: frozenset[int] = frozenset()
+    cache_hit_blocks: frozenset[int] = _PerBlock(frozenset())  # type: ignore[assignment]
     waiting: tuple[str, ...] = ()
     block_takes: tuple = ()
-    block_origins: Mapping[int, Any] = field(default_factory=dict)
+    block_origins: Mapping[int, Any] = _PerBlock(_EMPTY)  # type: ignore[assignment]
+    kv_events: tuple = ()
+    request_fill: Mapping[str, tuple[int, int]] = _EMPTY
+    used_blocks: int | None = None
+    pool_blocks: int | None = None
+    kv_history: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_refcount)
+        return self.pool_blocks if self.pool_blocks is not None else len(self.block_refcount)
 
     @property
     def num_used_blocks(self) -> int:
-        return sum(1 for r in self.block_refcount if r > 0)
+        return self.used_blocks if self.used_blocks is not None else sum(1 for r in self.block_refcount if r > 0)
+
+    def block_arrays(self) -> BlockArrays:
+        """The per-block state as numpy arrays (:class:`engine.kv_events.BlockArrays`, length num_blocks):
+        from the stored fields, or rebuilt from the KV events (then cached by the history).
+
+        Raises:
+            LookupError: rebuilt, and the step has left the telemetry ring.
+        """
+        d = self.__dict__
+        if d["_block_refcount"] is None:
+            if self.kv_history is None:
+                raise ValueError("a snapshot without per-block fields needs its telemetry's kv_history")
+            return self.kv_history.arrays(self)
+        n = len(d["_block_refcount"])
+        cached, hit = np.zeros(n, bool), np.zeros(n, bool)
+        cached[list(d["_cached_blocks"] or ())] = True
+        hit[list(d["_cache_hit_blocks"] or ())] = True
+        owner, ids = owner_array(n, self.block_tables)
+        return BlockArrays(np.asarray(d["_block_refcount"], np.int32), np.asarray(d["_block_tokens"], np.int32),
+                           np.asarray(d["_block_reuses"], np.uint32), cached, hit, owner, ids,
+                           d["_block_origins"] or {})
 
     @property
     def kv_usage(self) -> float:
@@ -177,64 +267,56 @@ class Telemetry:
     Args:
         capacity: number of most recent steps kept.
         max_finished: number of most recent finished-request records kept.
+        eager_block_limit: pools up to this many blocks keep their per-block tuples in every snapshot;
+            larger ones keep only the KV events, and :attr:`kv_history` rebuilds a kept step's blocks.
     """
 
     capacity: int = 512
     max_finished: int = 2048
+    eager_block_limit: int = EAGER_BLOCK_LIMIT
     _steps: collections.deque = field(init=False)
     _finished: collections.deque = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     total_generated_tokens: int = field(init=False, default=0)
     total_prompt_tokens: int = field(init=False, default=0)
     total_steps: int = field(init=False, default=0)
+    total_finished: int = field(init=False, default=0)  # finished-request records ever appended
     total_idle_slot_steps: int = field(init=False, default=0)
     start_time: float = field(init=False, default_factory=time.monotonic)
-    paused: bool = field(init=False, default=False)  # the engine is paused (talk mode): no step runs
     queue: tuple = field(init=False, default=())  # ids of the waiting requests now, in queue order
     version: int = field(init=False, default=0)  # changes whenever the newest snapshot does (record or amend)
-    max_held: int = 4096  # held (paused) intervals kept
+    kv_history: KVHistory = field(init=False)
+    # every step since the start by its scheduled tokens (tokens -> steps): vLLM's iteration_tokens histogram
+    step_tokens: collections.Counter = field(init=False, default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
         self._finished = collections.deque(maxlen=self.max_finished)
-        self._held: collections.deque = collections.deque(maxlen=self.max_held)  # (start, end), oldest first
-        self._held_since: float | None = None  # start of the interval the engine is held now
+        self.kv_history = KVHistory(self._steps, self._lock)
 
-    def set_held(self, held: bool, now: float | None = None) -> None:
-        """Record that the engine is held by a pause (no step runs) from now on, or no longer (stepping
-        thread). Cheap when nothing changes. ``now`` defaults to ``time.monotonic()`` (seconds)."""
-        if held == (self._held_since is not None):
-            return
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if held:
-                self._held_since = now
-            else:
-                self._held.append((self._held_since, now))
-                self._held_since = None
+    def keeps_block_tuples(self, num_blocks: int) -> bool:
+        """Whether snapshots of a pool of ``num_blocks`` blocks carry their per-block tuples."""
+        return num_blocks <= self.eager_block_limit
 
-    def held_time(self, start: float, end: float, now: float | None = None) -> float:
-        """Seconds of ``[start, end]`` (``time.monotonic()`` times) during which the engine was held by a pause;
-        the interval it is held now counts up to ``now``. Only the last ``max_held`` intervals are kept."""
-        now = time.monotonic() if now is None else now
+    def kv_feed(self, since: tuple[int, int] | None = None) -> KVFeed:
+        """The KV events for a reader that follows the cache from elsewhere (another process, the remote
+        mode): with ``since`` (the ``cursor`` of its previous feed) the steps after it; with None, or a cursor
+        older than the ring, a :class:`engine.kv_events.KVFrame` of the newest step to start from (O(num_blocks)).
+        Replaying the steps onto the frame gives the state :meth:`StepSnapshot.block_arrays` shows."""
         with self._lock:
-            intervals = list(self._held)
-            if self._held_since is not None:
-                intervals.append((self._held_since, now))
-        total = 0.0
-        for a, b in reversed(intervals):
-            if b <= start:
-                break
-            total += max(0.0, min(b, end) - max(a, start))
-        return total
+            return self.kv_history.feed(since)
 
     def record(self, snap: StepSnapshot) -> None:
         """Append one step's snapshot (engine thread)."""
         with self._lock:
-            self._steps.append(snap)
+            steps = self._steps
+            evicted = steps[0] if len(steps) == steps.maxlen else None
+            steps.append(snap)
+            self.kv_history.on_record(snap, evicted)
             self.queue = snap.waiting
             self.version += 1
             self.total_steps += 1
+            self.step_tokens[snap.num_scheduled_tokens] += 1
             self.total_generated_tokens += snap.num_generated_tokens
             self.total_idle_slot_steps += sum(
                 1 for s in snap.batch_slots if s.request_id is not None and s.phase == PHASE_IDLE
@@ -242,7 +324,7 @@ class Telemetry:
 
     def amend_latest(self, snap: StepSnapshot) -> None:
         """Replace the newest snapshot by ``snap`` (same step: the state changed between steps, e.g. an abort
-        while paused freed blocks). Totals are not counted again.
+        while paused freed blocks; its ``kv_events`` extend the replaced one's). Totals are not counted again.
 
         Raises:
             ValueError: there is no snapshot yet, or ``snap.step`` is not the newest step.
@@ -250,7 +332,8 @@ class Telemetry:
         with self._lock:
             if not self._steps or self._steps[-1].step != snap.step:
                 raise ValueError("amend_latest replaces the newest snapshot with one of the same step")
-            self._steps[-1] = snap
+            old, self._steps[-1] = self._steps[-1], snap
+            self.kv_history.on_amend(old, snap)
             self.queue = snap.waiting
             self.version += 1
 
@@ -278,7 +361,13 @@ class Telemetry:
         """Append the latency record of a finished request (engine thread)."""
         with self._lock:
             self._finished.append(stats)
+            self.total_finished += 1
             self.total_prompt_tokens += stats.num_prompt_tokens
+
+    def step_token_counts(self) -> dict[int, int]:
+        """Every step since the start by its scheduled tokens: ``{tokens: steps}`` (a copy)."""
+        with self._lock:
+            return dict(self.step_tokens)
 
     def snapshots(self, last_n: int | None = None) -> list[StepSnapshot]:
         """The most recent snapshots, oldest first (at most ``last_n``)."""
@@ -294,6 +383,13 @@ class Telemetry:
         with self._lock:
             return list(self._finished)
 
+    def finished_since(self, count: int) -> tuple[list[FinishedRequestStats], int]:
+        """The finished-request records after the first ``count`` ever recorded (those still kept: the ring holds
+        ``max_finished``), and the total recorded so far (give it back next time)."""
+        with self._lock:
+            new = min(self.total_finished - count, len(self._finished))
+            return (list(self._finished)[len(self._finished) - new:] if new > 0 else []), self.total_finished
+
     def stats(self, window: float = 5.0, prefix_window_steps: int = 64) -> dict:
         """Counters for the panels.
 
@@ -303,7 +399,7 @@ class Telemetry:
         ``prefill_tokens_saved`` (tokens), the same two over the last ``prefix_window_steps`` steps:
         ``prefix_hit_rate_window`` (0..1, None when no prompt was looked up in them) and
         ``prefill_tokens_saved_window`` (tokens), with ``prefix_window_steps`` (the steps they cover:
-        fewer at the start), ``paused`` (bool) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
+        fewer at the start) and ``ttft_p50``/``ttft_p90``/``ttft_p99``, ``tpot_p50``/``tpot_p90``/
         ``tpot_p99`` (seconds, over the kept finished requests; None when there are none).
         """
         with self._lock:
@@ -325,7 +421,6 @@ class Telemetry:
             "prefix_hit_rate_window": None,
             "prefill_tokens_saved_window": 0,
             "prefix_window_steps": 0,
-            "paused": self.paused,
         }
         if steps:
             last = steps[-1]

@@ -67,7 +67,7 @@ def _ensure_ninja() -> None:
     if shutil.which("ninja"):
         return
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
@@ -98,7 +98,9 @@ def _default_build_dir(name: str) -> str | None:
 def _is_built(name: str, build_dir: str | None) -> bool:
     """Whether a compiled ``name`` library already lies in the build directory (then loading is quick)."""
     folder = build_dir or _default_build_dir(name)
-    return bool(folder) and os.path.isfile(os.path.join(folder, f"{name}.so"))
+    if not folder:
+        return False
+    return os.path.isfile(os.path.join(folder, f"{name}.so"))
 
 
 STALE_LOCK_S = 300.0  # a build takes 1-2 minutes: a lock file older than this was left by a killed build

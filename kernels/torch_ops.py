@@ -118,8 +118,8 @@ def _decode_attention(query, key_cache, value_cache, block_tables, lens, qsl, de
     """All single-token (decode) rows at once, one KV head at a time: gather that head's blocks of
     every row with one ``index_select`` (``cache[:, h]`` is ``[num_blocks, block_size, head_dim]``, so
     the gathered rows are already ``[n, L, head_dim]``: no second copy), batched matmuls with a length
-    mask, softmax in float32. Measured 2.3x faster on the CPU than gathering all heads and transposing
-    (64 rows x ~160 tokens, SmolLM2 shapes, 1 thread)."""
+    mask, softmax in float32. Faster on the CPU than gathering all heads and transposing (measured in
+    docs/performance.md)."""
     _, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     dev = query.device

@@ -91,7 +91,10 @@ def _fix_interpreter_dot() -> None:
         from triton.runtime import interpreter as interp
     except Exception:  # pragma: no cover - layout of triton internals changed
         return
-    builder_cls = type(getattr(interp, "interpreter_builder", None))
+    builder = getattr(interp, "interpreter_builder", None)
+    if builder is None:
+        return
+    builder_cls = type(builder)
     orig = getattr(builder_cls, "create_dot", None)
     if orig is None or getattr(orig, "_cbp_fix", False):
         return
@@ -109,7 +112,7 @@ def _fix_interpreter_dot() -> None:
             return orig(self, a, b, d, *args, **kwargs)
         return interp.TensorHandle(np.matmul(a32, b32) + d.data, d.dtype.scalar)
 
-    create_dot._cbp_fix = True
+    create_dot.__dict__["_cbp_fix"] = True  # marks the patched method: it is applied only once
     builder_cls.create_dot = create_dot
 
 

@@ -9,12 +9,15 @@
 #
 # Parts, each under its own `timeout`, about 7 minutes in all; a failing part does not stop the next:
 #   1. pytest -q tests/test_kernels.py              (compiled Triton on CUDA vs the torch path)  <= 150 s
+#  1b. pytest tests/test_static_decode.py -k cuda   (CUDA-graph decode = eager tokens)           <= 60 s
+#      python -m bench.gpu_decode                   (W64 with graphs / eager / transformers' CB,
+#                                                    decode step at 64, capture time and memory) <= 180 s
 #   2. pytest -q tests/test_equivalence.py -k cuda  (the lead's file; skipped if absent)          <= 90 s
 #   3. python -m bench.kernels --engine             (kernel timings vs copy bandwidth and torch,
 #                                                    then engine tokens/s)                          <= 150 s
 #   4. python -m bench.kernels --sweep --quick      (tuning data, only with the time left)
 # Files written to $OUT (at most 8 come back): env.log, test_kernels.log, test_equivalence.log,
-# bench.log, bench.json, sweep.log, summary.txt.
+# test_static_decode.log, gpu_decode.log, gpu_decode.json, bench.log, bench.json, sweep.log, summary.txt.
 #
 # What the machine has (from /work/.library/device/KINDS.md; read there, not verified here): python3 =
 # Python 3.12 at /opt/torch/.venv with torch 2.11 (CUDA 13), triton 3.6, pytest, numpy, accelerate,
@@ -81,6 +84,13 @@ if [ "$PART" != 2 ]; then
 timeout -k 10 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/test_kernels.log"
 rc=$?
 summary "test_kernels: rc=$rc ($(tail -n 1 "$OUT/test_kernels.log"))  t=$((SECONDS - START))s"
+
+# --- 1b. the decode step at GPU speed: static buffers + CUDA graphs vs eager vs transformers' CB --------
+# (issue "GPU scale", goal 3; random-weight SmolLM2-135M from its config: no GGUF or network needed)
+timeout -k 10 60 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_static_decode.py -k cuda 2>&1 | tee "$OUT/test_static_decode.log"
+summary "test_static_decode -k cuda: rc=$? ($(tail -n 1 "$OUT/test_static_decode.log"))  t=$((SECONDS - START))s"
+timeout -k 10 180 "$PY" -m bench.gpu_decode --json "$OUT/gpu_decode.json" 2>&1 | grep -v Warning | tee "$OUT/gpu_decode.log"
+summary "gpu_decode: rc=$? $(grep -E 'tokens/s|x$' "$OUT/gpu_decode.log" | tr '\n' ' ')  t=$((SECONDS - START))s"
 
 fi
 [ "$PART" = 1 ] && { summary "total: $((SECONDS - START)) s"; exit 0; }

@@ -9,7 +9,9 @@ footer) comes in as ``mount_kwargs`` (``ui.layout.mount_kwargs(demo)`` in ``app.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import logging
 import os
 import socket
 import threading
@@ -21,8 +23,10 @@ from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
 from server.http_guards import DEFAULT_MAX_BODY_BYTES
+from server.kv_publisher import KVEventPublisher, KVEventsConfig, binds, parse_kv_events_config
 from server.openai_api import create_api
 
+log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 
@@ -30,7 +34,8 @@ DEFAULT_PORT = 7860
 def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
                  rate_limit: int | None = None, rate_period: float = 1.0, retry_after: int = 1,
                  queue_size: int | None = None, mount_kwargs: dict[str, Any] | None = None,
-                 max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+                 max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 kv_events_config: str | KVEventsConfig | None = None) -> FastAPI:
     """The FastAPI app serving the API and, at ``/``, the Gradio ``demo``.
 
     Args:
@@ -46,11 +51,19 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         mount_kwargs: keyword arguments of ``gr.mount_gradio_app`` (css, i18n, theme, footer_links...);
             the playground's are ``ui.layout.mount_kwargs(demo)``. None = Gradio's defaults.
         max_request_body_bytes: the largest API request body (bytes); larger ones get HTTP 413.
+        kv_events_config: vLLM's ``--kv-events-config`` JSON (or its parsed form): when enabled, the engine's KV
+            cache events are published over ZMQ in vLLM's format (:mod:`server.kv_publisher`); the
+            publisher is ``app.state.kv_publisher`` (None when off).
+
+    Raises:
+        ValueError: ``kv_events_config`` does not parse (:func:`server.kv_publisher.parse_kv_events_config`).
+        zmq.ZMQError: a KV event endpoint cannot be bound.
     """
     if max_pending is not None:
         engine.max_pending = max_pending
     app = create_api(engine, model_name, rate_limit=rate_limit, rate_period=rate_period, retry_after=retry_after,
                      max_body_bytes=max_request_body_bytes)
+    app.state.kv_publisher = start_kv_publisher(engine, kv_events_config)
     if demo is not None:
         import gradio as gr
 
@@ -60,6 +73,27 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
             app.include_router(router)
         gr.mount_gradio_app(app, demo, path="/", **dict(mount_kwargs or {}))
     return app
+
+
+def start_kv_publisher(engine: AsyncEngine, config: str | KVEventsConfig | None) -> KVEventPublisher | None:
+    """Start publishing ``engine``'s KV cache events when ``config`` enables it (else None); the publisher
+    stops with the process (atexit). Without prefix caching it warns: no block is ever stored then.
+
+    Raises:
+        ValueError: ``config`` does not parse. zmq.ZMQError: an endpoint cannot be bound.
+    """
+    cfg = parse_kv_events_config(config) if isinstance(config, str) or config is None else config
+    if cfg is None or not cfg.enabled:
+        return None
+    if not engine.config.enable_prefix_caching:
+        log.warning("KV events are on but prefix caching is off: no block will ever be published as stored")
+    publisher = KVEventPublisher(engine.telemetry, engine.config.block_size, cfg).start()
+    atexit.register(publisher.stop)
+    shown = ", replay " + str(publisher.replay_endpoint) if publisher.replay_endpoint else ""
+    how = "bound on" if binds(publisher.endpoint or "") else "connecting to (no * in the endpoint: vLLM's rule)"
+    log.info("KV cache events (vLLM format, %s encoding) %s %s%s, topic %r", cfg.encoding, how, publisher.endpoint,
+             shown, cfg.topic)
+    return publisher
 
 
 def _port_free(host: str, port: int) -> bool:

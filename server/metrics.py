@@ -1,12 +1,14 @@
-"""Prometheus metrics of one engine (``GET /metrics``): vLLM's metric meanings, ``cbp:`` instead of
-``vllm:``, read from the engine's public telemetry only."""
+"""Prometheus metrics of one engine (``GET /metrics``), read from the engine's public telemetry only: our own
+``cbp:`` names, and beside them the same values under vLLM v1's ``vllm:`` names and labels (``model_name``,
+``engine`` = the data-parallel rank, "0" here) plus ``vllm:cache_config_info`` and
+``vllm:iteration_tokens_total``, so dashboards and tools written for vLLM read our server unchanged."""
 
 from __future__ import annotations
 
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.async_engine import AsyncEngine
 
@@ -30,17 +32,22 @@ class EngineMetrics:
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = "cbp",
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *, vllm_names: bool = True,
+                 engine_label: str | None = None) -> None:
+        """Args: ``vllm_names``: also publish the ``vllm:`` names (a companion :class:`EngineMetrics` in the same
+        registry, label ``engine="0"``); ``engine_label``: add an ``engine`` label with this value."""
         self.engine = engine
         self.model_name = model_name
         self.prefix = prefix
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
-        self._last_seen = None
-        p, labels = prefix, ["model_name"]
+        self._seen = 0  # finished-request records observed so far
+        self.label_names = ["model_name"] + (["engine"] if engine_label is not None else [])
+        self.label_values = [model_name] + ([engine_label] if engine_label is not None else [])
+        p, labels, values = prefix, self.label_names, self.label_values
 
         def hist(name, doc, buckets):
-            return Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(*values)
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds",
@@ -53,55 +60,83 @@ class EngineMetrics:
         self.gen_len = hist("request_generation_tokens", "Number of generation tokens processed (per request).",
                             TOKEN_BUCKETS)
         self.success = Counter(f"{p}:request_success", "Count of finished requests by finish reason.",
-                               ["model_name", "finished_reason"], registry=self.registry)
-        self.rejected = Counter(f"{p}:api_rejected_requests",
+                               labels + ["finished_reason"], registry=self.registry)
+        self.rejected = None if engine_label is not None else Counter(f"{p}:api_rejected_requests",
                                 "API requests refused before reaching the engine, by reason "
                                 "(invalid, too_large, method_not_allowed, overloaded, rate_limited, unavailable).",
-                                ["model_name", "reason"], registry=self.registry)
+                                labels + ["reason"], registry=self.registry)
+        self.itl = None
+        if engine_label is not None:  # vLLM's names only: per-token latency (tokens per step: collect)
+            self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds (each "
+                            "request's mean gap, once per gap).", TPOT_BUCKETS)
         self.registry.register(self)
+        self.vllm = EngineMetrics(engine, model_name, "vllm", self.registry, vllm_names=False, engine_label="0") \
+            if vllm_names and prefix != "vllm" else None
 
     def reject(self, reason: str) -> None:
         """Count one refused API request."""
-        self.rejected.labels(self.model_name, reason).inc()
+        if self.rejected is not None:
+            self.rejected.labels(*self.label_values, reason).inc()
 
     def sync(self) -> None:
-        """Feed the histograms with the requests finished since the last call."""
+        """Feed the histograms with the requests finished (and, for vLLM's names, the steps run) since the last
+        call."""
+        if self.vllm is not None:
+            self.vllm.sync()
         with self._lock:
-            records = self.engine.telemetry.finished_requests()
-            start = 0
-            if self._last_seen is not None:
-                for i in range(len(records) - 1, -1, -1):
-                    if records[i] is self._last_seen:
-                        start = i + 1
-                        break
-            for r in records[start:]:
+            # by count, not by the last record seen: that one may have left the ring (over max_finished finished
+            # between two scrapes), which used to observe the whole ring again
+            records, self._seen = self.engine.telemetry.finished_since(self._seen)
+            for r in records:
                 if r.ttft is not None:
                     self.ttft.observe(r.ttft)
                 if r.tpot is not None:
                     self.tpot.observe(r.tpot)
+                    if self.itl is not None:
+                        for _ in range(min(r.num_output_tokens - 1, 4096)):
+                            self.itl.observe(r.tpot)
                 self.e2e.observe(r.e2e)
                 self.prompt_len.observe(r.num_prompt_tokens)
                 self.gen_len.observe(r.num_output_tokens)
-                self.success.labels(self.model_name, r.finish_reason or "unknown").inc()
-            if records:
-                self._last_seen = records[-1]
+                self.success.labels(*self.label_values, r.finish_reason or "unknown").inc()
 
     def collect(self):
         """Live gauges and cumulative counters (called by the registry at each scrape), read from the
         engine's latest telemetry snapshot and totals, never from the scheduler itself."""
-        p, m = self.prefix, [self.model_name]
+        p, m, names = self.prefix, self.label_values, self.label_names
         tel = self.engine.telemetry
         snap = tel.latest()
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=names)
             g.add_metric(m, value)
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+            c = CounterMetricFamily(f"{p}:{name}", doc, labels=names)
             c.add_metric(m, value)
             return c
+
+        if p == "vllm":
+            cfg = self.engine.config
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                                     labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"])
+            info.add_metric([str(cfg.block_size), str(cfg.num_blocks), str(cfg.enable_prefix_caching),
+                             m[-1]], 1.0)
+            yield info
+            # every step since the start (the engine counts them by their scheduled tokens as it records them)
+            counts = tel.step_token_counts()
+            fam = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                        labels=names)
+            ordered, cumulative, i, buckets = sorted(counts.items()), 0, 0, []
+            for bound in TOKEN_BUCKETS:
+                while i < len(ordered) and ordered[i][0] <= bound:
+                    cumulative += ordered[i][1]
+                    i += 1
+                buckets.append((str(float(bound)), cumulative))
+            buckets.append(("+Inf", sum(counts.values())))
+            fam.add_metric(m, buckets, sum_value=float(sum(t * n for t, n in counts.items())))
+            yield fam
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.",
                     snap.num_running if snap else 0)
@@ -109,9 +144,11 @@ class EngineMetrics:
                     snap.num_waiting if snap else 0)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     snap.kv_usage if snap else 0.0)
-        yield gauge("num_requests_pending", "Requests streaming now (admitted to the engine, not finished).",
-                    self.engine.num_pending)
-        yield gauge("engine_healthy", "1 while the engine thread runs, else 0.", 1 if self.engine.healthy else 0)
+        if p != "vllm":  # ours only
+            yield gauge("num_requests_pending", "Requests streaming now (admitted to the engine, not finished).",
+                        self.engine.num_pending)
+            yield gauge("engine_healthy", "1 while the engine thread runs, else 0.",
+                        1 if self.engine.is_running else 0)
         yield counter("prompt_tokens", "Number of prefill tokens processed (counted when a request ends).",
                       tel.total_prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", tel.total_generated_tokens)

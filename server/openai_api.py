@@ -32,8 +32,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +43,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineOverloadedError
+from engine.errors import PROMPT, RequestError
 from engine.request import ChatPrompt, RequestOutput, SamplingParams, TextPrompt
 from server.http_guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, MethodCheck
 from server.logprobs import TokenText
@@ -60,7 +61,6 @@ from server.protocol import (
     check_refused,
     check_unicode,
     completion_prompt,
-    param_of,
     sampling_params_from,
 )
 from server.ratelimit import ClientRateLimiter
@@ -70,6 +70,22 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"})
+
+
+def _field_path(loc) -> list[str]:
+    """The request field a pydantic error location names: "body" and the union member tags pydantic adds
+    after the field (``("body", "stop", "str")`` for ``"stop": 5``) left out."""
+    out = []
+    for x in loc:
+        if x == "body":
+            continue
+        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x):
+            break
+        out.append(str(x))
+    return out
 
 
 class _ClientGone(Exception):
@@ -145,25 +161,31 @@ class OpenAIServer:
                 raise APIError(429, f"rate limit reached for {host}: at most {self.rate_limiter.rate} requests per "
                                f"{self.rate_limiter.period:g} s; retry later", type="rate_limit_error",
                                code="rate_limit_exceeded", headers={"Retry-After": str(self.rate_limiter.retry_after)})
-        if not self.engine.healthy:
+        if not self.engine.is_running:
             self.metrics.reject("unavailable")
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_not_running")
 
     # -------------------------------------------------------------- generation
     async def start(self, request: Request, prompt, params: SamplingParams, rid: str, prompt_param: str,
-                    cache_salt: str | None) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-        """Submit to the engine and wait for the first output (the engine validates first: a
-        ``ValueError`` there means nothing was allocated)."""
-        agen = self.engine.generate(prompt, params, request_id=rid, cache_salt=cache_salt)
+                    cache_salt: str | None) -> tuple[AsyncGenerator[RequestOutput, None], RequestOutput]:
+        """Submit to the engine and wait for the first output with a token, or the final one (the engine
+        validates first: a :class:`engine.errors.RequestError` there means nothing was allocated)."""
+        # generate is an async generator function (annotated as returning an AsyncIterator): it has aclose()
+        agen = cast(AsyncGenerator[RequestOutput, None],
+                    self.engine.generate(prompt, params, request_id=rid, cache_salt=cache_salt))
         try:
             first = await until_disconnected(request, agen.__anext__())
-        except ValueError as e:
+            while not first.finished and not any(c.token_ids for c in first.outputs):
+                # outputs that only say where the request stands (queued, prefilling): the response starts
+                # with its first token, so a request that fails before one is still a plain 500
+                first = await until_disconnected(request, agen.__anext__())
+        except RequestError as e:  # typed: the field and the code come with the error
             self.metrics.reject("invalid")
-            msg = str(e)
-            param, code = param_of(msg, prompt_param)
-            if param == "n":
-                msg = f"n too large: {msg}"
-            raise APIError(400, msg, param=param, code=code) from None
+            param = prompt_param if e.param == PROMPT else e.param
+            raise APIError(400, f"n too large: {e}" if e.param == "n" else str(e), param=param, code=e.code) from None
+        except ValueError as e:  # an untyped refusal: about the request as a whole
+            self.metrics.reject("invalid")
+            raise APIError(400, str(e)) from None
         except EngineOverloadedError as e:
             self.metrics.reject("overloaded")
             raise APIError(429, str(e), type="server_overloaded", code="engine_overloaded",
@@ -171,7 +193,7 @@ class OpenAIServer:
         except RuntimeError as e:
             self.metrics.reject("unavailable")
             raise APIError(503, str(e), type="service_unavailable", code="engine_not_running") from None
-        error = _error_of(first) if first.finished else None
+        error = _error_of(first) if first.finished or first.error else None  # n > 1: a child may fail first
         if error is not None:  # failed before anything was sent: a plain 500, streaming or not
             await agen.aclose()
             raise APIError(500, error, type="internal_error", code=500)
@@ -302,7 +324,7 @@ class OpenAIServer:
         """``POST /v1/completions``."""
         try:
             self.admit(request, body)
-            prompt = completion_prompt(body.prompt)
+            prompt: str | list[int] | TextPrompt = completion_prompt(body.prompt)
             check_refused(body, REFUSED_COMPLETIONS)
             check_common(body)
             if body.echo and body.logprobs is not None:
@@ -372,7 +394,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         metrics.reject("invalid")
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = _field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return APIError(400, msg, code="invalid_json").response()
@@ -427,7 +449,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         """200 while the engine thread runs, 503 otherwise. The body has the engine's step counter, whether it
         is paused, running and waiting requests (as the page's counters: the newest step, the queue now) and
         ``in_flight`` (requests accepted and not finished: streams of the page and the API)."""
-        if engine.healthy:
+        if engine.is_running:
             latest = engine.telemetry.latest()
             return {"status": "ok", "model": model_name, "step": engine.step_count, "paused": engine.paused,
                     "running": latest.num_running if latest else 0, "waiting": len(engine.telemetry.queue),

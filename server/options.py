@@ -29,6 +29,10 @@ SERVER_OPTIONS: tuple[Option, ...] = (
            "full context as escaped JSON with room for logit_bias over the whole vocabulary)", low=1),
     Option("served_model_name", str, None,
            "model name of the OpenAI API (default: --model, or SmolLM2-135M-Instruct)"),
+    Option("kv_events_config", str, None,
+           "publish KV cache events as vLLM does, with vLLM's JSON: '{\"enable_kv_cache_events\": true, "
+           "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+           "\"topic\": \"kv-events\"}' (ZMQ + msgpack; needs prefix caching); default off"),
     Option("log_level", str, "info", "how much the app logs; debug adds tracebacks, kernel and library detail",
            choices=("debug", "info", "warning", "error")),
 )
@@ -49,4 +53,5 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     :func:`add_server_options` (``rate_limit`` 0 means no limit: None)."""
     return {"model_name": args.served_model_name, "max_pending": args.max_pending,
             "rate_limit": args.rate_limit or None, "rate_period": args.rate_period, "queue_size": args.queue_size,
-            "max_request_body_bytes": args.max_request_body_bytes}
+            "max_request_body_bytes": args.max_request_body_bytes,
+            "kv_events_config": getattr(args, "kv_events_config", None)}

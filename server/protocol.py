@@ -10,7 +10,6 @@ checks that turn a request body into engine inputs before the engine allocates a
 - :func:`check_refused`: a 400 naming any field this server does not implement, when it is set to
   anything but its no-op value (:data:`REFUSED_COMMON`, :data:`REFUSED_CHAT`, :data:`REFUSED_COMPLETIONS`).
 - :func:`check_unicode`: a 400 for a string that is not valid Unicode (a lone surrogate).
-- :func:`param_of`: the request field an engine ``ValueError`` is about.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
+from engine.errors import RequestError
 from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
@@ -64,26 +64,6 @@ def check_unicode(value, path: str = "body") -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             check_unicode(v, f"{path}[{i}]")
-
-
-_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
-                "stop", "stop_token_ids", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty",
-                "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "continue_final_message",
-                "chat_template_kwargs", "cache_salt")
-
-
-def param_of(message: str, prompt_param: str) -> tuple[str | None, str | None]:
-    """(param, code) for a ``ValueError`` message of the engine (its first word names the field)."""
-    first = message.split(" ", 1)[0]
-    if first in _PARAM_NAMES:
-        return first, None
-    if first.startswith("n=") or "parallel samples" in message:
-        return "n", None
-    if "context length" in message or "KV blocks" in message:
-        return prompt_param, "context_length_exceeded"
-    if "prompt" in message:
-        return prompt_param, None
-    return None, None
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
@@ -290,14 +270,9 @@ def sampling_params_from(body: SamplingFields, default_max_tokens: int | None, l
         raise APIError(400, f"n too large: at most {MAX_N} completions per request, got n={params.n}", param="n")
     try:
         params.validate()
-    except ValueError as e:
-        msg = str(e)
-        param, _ = param_of(msg, "prompt")
-        if param == "max_tokens":
-            param = max_name
-        elif param == "logprobs":
-            param = logprobs_param
-        raise APIError(400, msg, param=param) from None
+    except RequestError as e:  # the field's engine name -> this endpoint's name
+        param = {"max_tokens": max_name, "logprobs": logprobs_param}.get(e.param or "", e.param)
+        raise APIError(400, str(e), param=param) from None
     return params
 
 

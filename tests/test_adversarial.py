@@ -16,6 +16,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import RequestError
 from engine.request import SamplingParams
 from server import ServerThread, create_api
 from tests.conftest import make_tiny_model
@@ -109,26 +110,23 @@ def test_underflowing_repetition_penalty_does_not_kill_neighbours(tokenizer):
     assert eng.kv.pool.num_used_blocks == 0
 
 
-def test_duplicate_request_id_n1_then_n2_is_rejected(tiny_model, tokenizer):
-    """Request id ``x`` with n=1 is live; a second request ``x`` with n=2 is accepted, because
-    ``_drain_inbox`` only checks ``self._groups`` (n>1 groups) and the scheduler only checks the
-    sequence ids ``x#0``/``x#1``. Both then report under id ``x``: ``_outputs`` looks ``x`` up in
-    ``_groups`` and reports the n=1 request's progress as the n=2 group's (the first request's own
-    completion is never reported as finished)."""
+def test_request_id_n1_and_an_n2_request_of_the_same_id_stay_apart_in_the_core(tiny_model, tokenizer):
+    """The core knows sequences only: ``x`` (n=1) and the children ``x#0``/``x#1`` of a second ``x`` (n=2) are
+    three sequences, each reported under its own id and finished normally (it once reported the n=1
+    request's progress as the n=2 group's). A caller-level duplicate (the same id while the first streams)
+    is the front's to refuse (``AsyncEngine.generate``); a caller's id may not name a child."""
     eng = core(tiny_model, tokenizer)
     eng.add_request("x", "hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     eng.add_request("x", "good morning", SamplingParams(temperature=0, max_tokens=5, n=2, ignore_eos=True))
-    finished = []
+    with pytest.raises(RequestError):
+        eng.add_request("x#1", "again", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    finished = {}
     for _ in range(200):
         if not eng.has_unfinished_requests():
             break
-        finished += [o for o in eng.step() if o.finished]
-    # exactly one finished output per request: the first one's (n=1, finished normally) and the
-    # duplicate's (rejected with an error naming the id)
-    assert len(finished) == 2, [(len(o.outputs), o.error) for o in finished]
-    ok = [o for o in finished if o.error is None]
-    assert len(ok) == 1 and len(ok[0].outputs) == 1 and len(ok[0].token_ids) == 5
-    assert any(o.error and "already in use" in o.error for o in finished)
+        finished.update({o.request_id: o for o in eng.step() if o.finished})
+    assert sorted(finished) == ["x", "x#0", "x#1"]
+    assert all(o.error is None and len(o.outputs) == 1 and len(o.token_ids) == 5 for o in finished.values())
     assert eng.kv.pool.num_used_blocks == 0
 
 

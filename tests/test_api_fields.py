@@ -296,3 +296,11 @@ def test_best_of_equal_to_n_is_accepted(api):
     r = api.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2, best_of=2, seed=1)
     assert len(r.choices) == 2
     assert wait_idle(api.engine)
+
+
+@pytest.mark.parametrize("body,param", [({"stop": 5}, "stop"), ({"stop": [5]}, "stop"), ({"stop_token_ids": "x"}, "stop_token_ids")])
+def test_a_wrong_type_in_a_union_field_names_the_field(api, body, param):
+    """pydantic reports ``("body", "stop", "str")`` for ``"stop": 5``: the param is the field, not the union tag."""
+    path, base = api_endpoint("chat")
+    r = api.http.post(path, json={"model": MODEL} | base | body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -46,7 +46,7 @@ def check_invariants(eng):
     for b in range(pool.num_blocks):
         assert pool.ref_cnt[b] == holders[b], f"block {b}: refcount {pool.ref_cnt[b]} != holders {holders[b]}"
         assert (b in free) == (holders[b] == 0)
-    for h, b in pool.cached.items():
+    for h, b in pool.hash_to_block.items():
         assert pool.block_hash[b] == h
 
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+from engine.config import EngineConfig
 from engine.telemetry import Telemetry
 from tests.test_ui_figures import SEQ
 from tests.test_ui_handlers import StubEngine, req
@@ -115,7 +116,7 @@ def test_per_tab_views_and_host_rights():
     assert live.is_host("host") and not live.is_host("guest")
     live.view("guest").pin = 7
     assert live.view("host").pin is None and live.view("guest").window == live.window
-    eng = SimpleNamespace(step_count=9, paused=True, min_step_time=0.0)
+    eng = SimpleNamespace(step_count=9, paused=True, min_step_time=0.0, until_condition=None)
     assert "pinned at step 7" in pacing_line(eng, 7, "en")
     assert markdown_line_html("a **b** <c>") == "a <b>b</b> &lt;c&gt;"
 
@@ -128,7 +129,7 @@ def test_the_page_opens_no_heartbeat_connection():
     from ui.layout import build_app
 
     engine, _chat, _live = _channel()
-    engine.config = SimpleNamespace(max_num_seqs=3, num_blocks=24, block_size=4, policy="continuous", max_model_len=96)
+    engine.config = EngineConfig(max_num_seqs=3, num_blocks=24, block_size=4, policy="continuous", max_model_len=96)
     demo = build_app(engine)
     config = demo.get_config_file()
     assert config["connect_heartbeat"] is False

@@ -22,6 +22,8 @@ def _given(opt: Option) -> tuple[list[str], object]:
     if opt.type is bool:
         return [opt.flag] if not opt.default else ["--no-" + opt.flag[2:]], not opt.default
     raw = opt.choices[-1] if opt.choices else _SAMPLE[opt.type]
+    if opt.type is float and opt.low is not None and float(raw) <= opt.low:  # a value inside the bounds
+        raw = str(opt.low + 1.5)
     return [opt.flag, str(raw)], opt.type(raw)
 
 
@@ -79,7 +81,8 @@ def test_environment_variables_and_command_line_precedence():
     assert a.dtype is None  # an empty variable is unset
     assert app.engine_kwargs(a)["max_num_seqs"] == 32 and app.engine_kwargs(a)["enable_prefix_caching"] is False
     assert server_kwargs(a) == {"model_name": "m", "max_pending": 256, "rate_limit": 5, "rate_period": 10.0,
-                                "queue_size": 256, "max_request_body_bytes": 4 * 1024 * 1024}
+                                "queue_size": 256, "max_request_body_bytes": 4 * 1024 * 1024,
+                                "kv_events_config": None}
     b = app.parse_args(["--max-num-seqs", "8", "--enable-prefix-caching", "--no-share", "--policy", "continuous"],
                        env=env)
     assert (b.max_num_seqs, b.enable_prefix_caching, b.share, b.policy) == (8, True, False, "continuous")

@@ -31,7 +31,8 @@ async def _until(cond, timeout=5.0):
 def test_pause_queues_requests_and_single_steps_run_exactly_one_step(engine):
     async def main():
         engine.pause()
-        assert engine.paused and engine.telemetry.stats()["paused"]
+        assert engine.paused and engine.core.pacing.paused  # one pacing object; telemetry holds none of it
+        assert "paused" not in engine.telemetry.stats()
         before = engine.step_count
         tokens = []
 
@@ -39,12 +40,15 @@ def test_pause_queues_requests_and_single_steps_run_exactly_one_step(engine):
             async for out in engine.generate("hello there", SamplingParams(max_tokens=6, ignore_eos=True),
                                              request_id="p"):
                 tokens.append(len(out.token_ids))
+                states.append(out.state.kind)
             return out
 
+        states: list[str] = []
         task = asyncio.create_task(consume())
         await _until(lambda: engine.core.stats().num_waiting == 1)  # queued, not run
         await asyncio.sleep(0.2)
-        assert engine.step_count == before and tokens == []
+        # no step ran; the stream says where the request stands (one channel: its outputs carry its state)
+        assert engine.step_count == before and tokens == [0] and states == ["queued"]
         for k in range(1, 4):  # each press: exactly one step, one more token
             engine.step_once()
             await _until(lambda k=k: engine.step_count == before + k)

@@ -120,3 +120,9 @@ def test_read_result_takes_the_last_marked_line():
 def test_cpu_info_shape():
     info = peers.cpu_info()
     assert set(info) == {"name", "cores", "flags"} and "avx512_bf16" in info["flags"]
+
+
+def test_format_floor_names_step_floor_and_ratio():
+    line = peers.format_floor({"step_ms": 66.0, "context": 159.0, "forward": "own", "floor_ms": 16.5, "gflop": 17.9,
+                               "matmul_gflops": 2500.0, "kv_mb": 235.0, "bandwidth_gbs": 27.5})
+    assert "66.0 ms" in line and "floor 16.5 ms" in line and "step / floor = 4.00" in line and "own forward" in line

@@ -4,6 +4,7 @@ and off, hash-map entries that match their blocks' tokens, and n > 1 with shared
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import hash_block
+from engine.parallel_sampling import ParentRequest
 from engine.request import SamplingParams
 
 BS = 4
@@ -29,7 +30,7 @@ def check_cache_invariants(eng):
                 # a hashed block holds exactly the tokens it was hashed from
                 assert pool.block_hash[b] in (None, h)
                 parent = h
-    for h, b in pool.cached.items():
+    for h, b in pool.hash_to_block.items():
         assert pool.block_hash[b] == h
     assert holders == pool.ref_cnt
     assert all((b in pool.free_queue) == (holders[b] == 0) for b in range(pool.num_blocks))
@@ -92,12 +93,14 @@ def test_prompt_of_whole_blocks_recomputes_its_last_token(tiny_model, tokenizer)
 def test_parallel_sampling_shares_prompt_blocks_and_frees_them(tiny_model, tokenizer):
     def sample(seed):
         eng = engine(tiny_model, tokenizer, max_num_seqs=4)
-        eng.add_request("p", P, SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True))
+        parent = ParentRequest(eng.add_request("p", P, SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=8,
+                                                                      ignore_eos=True)))  # at submission, as the front does
         shared_seen = False
-        final = None
+        final = {}
         while eng.has_unfinished_requests():
-            for o in eng.step():
-                final = o
+            for o in eng.step():  # the core reports each child under its own id; the front merges them
+                if o.finished:
+                    final[o.request_id] = o
             running = eng.scheduler.running
             if len(running) == 4:
                 # the prompt's blocks are held by all four block tables
@@ -106,9 +109,11 @@ def test_parallel_sampling_shares_prompt_blocks_and_frees_them(tiny_model, token
             check_cache_invariants(eng)
         assert shared_seen and eng.kv.num_cow_copies >= 3  # the partly filled prompt block was copied
         assert eng.kv.pool.num_used_blocks == 0
-        assert final.finished and [c.index for c in final.outputs] == [0, 1, 2, 3]
-        assert all(len(c.token_ids) == 8 for c in final.outputs)
-        return [c.token_ids for c in final.outputs]
+        assert sorted(final) == ["p#0", "p#1", "p#2", "p#3"]
+        merged = parent.merge([final[f"p#{i}"] for i in range(4)])
+        assert merged.finished and merged.request_id == "p" and [c.index for c in merged.outputs] == [0, 1, 2, 3]
+        assert all(len(c.token_ids) == 8 for c in merged.outputs)
+        return [c.token_ids for c in merged.outputs]
 
     a = sample(7)
     assert a == sample(7)  # reproducible with a fixed seed

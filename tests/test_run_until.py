@@ -12,8 +12,8 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.handover import NextBlockReuse, NextHandover
+from engine.pacing import Pacing
 from engine.request import SamplingParams
-from engine.telemetry import Telemetry
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_run_until_stops_after_max_steps_and_pause_calls_it_off(engine):
 
 
 def test_held_time_counts_the_paused_intervals_overlapping_a_span():
-    tel = Telemetry()
+    tel = Pacing()
     tel.set_held(True, now=10.0)
     tel.set_held(True, now=11.0)  # no change: the interval still starts at 10
     tel.set_held(False, now=14.0)

@@ -121,7 +121,9 @@ def test_preemption_evicts_most_recent_and_requeues_it_first():
     assert s.kv.pool.num_free_blocks == 4
 
 
-def test_request_preempts_itself_when_alone_never_happens():
+def test_max_tokens_is_clamped_to_the_context_length_and_a_lone_request_runs_to_it():
+    """A lone request asking for more than the context length holds is clamped (3 prompt + 5 = 8 tokens) and
+    runs to the end in a pool that just fits it, without preempting itself."""
     s = make(num_blocks=2, block_size=4, max_len=8)
     a = add(s, "A", 3, 100)  # clamped to the context length
     assert a.max_tokens == 5

@@ -138,6 +138,18 @@ def test_figures_accept_translated_labels():
     assert fig.layout.xaxis.title.text == "엔진 스텝"
 
 
+def test_spec_json_writes_what_the_figure_object_writes():
+    """The live panels serialise the plain specs (no go.Figure, no deep copies): the same JSON as plotly's
+    own ``to_json``, default template included."""
+    for spec, fig in ((F.occupancy_spec(SEQ, window=8), F.occupancy_figure(SEQ, window=8)),
+                      (F.block_map_spec(SEQ[-1], num_blocks=NUM_BLOCKS), F.block_map_figure(SEQ[-1], num_blocks=NUM_BLOCKS)),
+                      (F.block_map_spec(None), F.block_map_figure(None)),
+                      (F.rates_spec(SEQ), F.rates_figure(SEQ))):
+        out = json.loads(F.spec_json(spec))
+        assert out == json.loads(fig.to_json())
+        assert out["layout"]["template"]["layout"]  # plotly's default look, as the Gradio plots have it
+
+
 def test_panels_rebuild_only_on_new_steps_and_skip_unchanged():
     pytest.importorskip("gradio")
     from ui.panels import Panels

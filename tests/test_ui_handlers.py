@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from engine.request import CompletionOutput, RequestOutput
+from engine.telemetry import Telemetry
 from ui.chat import ActiveRequests, ChatHandlers, message_text, sampling_params, status_text, to_messages
 from ui.loadgen import LoadGenerator, synthetic_chat
 
@@ -16,11 +18,15 @@ SKIP = {"__type__": "update"}
 
 class StubEngine:
     """``generate`` streams the words of ``reply`` one by one (awaiting ``gate`` before each if given);
-    records prompts, params and aborts."""
+    records prompts, params and aborts. Has the rest of what the UI reads of an ``AsyncEngine``: an empty
+    telemetry and the pacing state of an engine running at full speed."""
 
     def __init__(self, reply="Hello there friend", gate: asyncio.Event | None = None, reject=None):
         self.reply, self.gate, self.reject = reply.split(), gate, reject
         self.calls, self.aborted, self.closed = [], [], []
+        self.telemetry = Telemetry(capacity=16)
+        self.step_count, self.paused, self.min_step_time = 0, False, 0.0
+        self.seeking, self.until_condition, self.until_met = False, None, None
 
     async def generate(self, prompt, params, request_id=None):
         if self.reject:
@@ -410,9 +416,54 @@ def test_host_key_and_pace_line():
 
     assert is_host_page(None, None) and is_host_page("", "anything")
     assert is_host_page("k3y", "k3y") and not is_host_page("k3y", "") and not is_host_page("k3y", "k3")
-    eng = SimpleNamespace(step_count=42, paused=True, min_step_time=0.5)
+    eng = SimpleNamespace(step_count=42, paused=True, min_step_time=0.5, until_condition=None)
     line = pacing_line(eng, 40, "en")
     assert "Engine paused" in line and "step 42" in line and "0.50 s per step" in line and "pinned at step 40" in line
     assert "일시 정지" in pacing_line(eng, None, "ko")
-    assert pacing_line(SimpleNamespace(step_count=3, paused=False, min_step_time=0.0), None, "en") == \
+    assert pacing_line(SimpleNamespace(step_count=3, paused=False, min_step_time=0.0, until_condition=None), None, "en") == \
         "▶ Engine running · step 3"
+
+
+def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokenizer):
+    """One channel: a chat learns where its request stands from the outputs of its own stream (no telemetry
+    polling): two chats sent to a paused engine with one batch slot say "Queued: 1 of 2" and "Queued: 2 of
+    2"; after Resume both finish."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=1), model=tiny_model,
+                                 tokenizer=tokenizer))
+    chat = ChatHandlers(eng, poll_s=0.02)
+
+    def polled(request_id):
+        raise AssertionError("the chat polled the telemetry")
+
+    eng.core.telemetry.request_state = polled  # type: ignore[method-assign]
+    eng.pause()
+
+    async def main():
+        titles: dict[str, list[str]] = {"a": [], "b": []}
+
+        async def one(session):
+            async for hist, _box, _rid in chat.respond(f"hello from {session}", [], 0.0, 1.0, 4, None, req(session)):
+                if isinstance(hist, list):
+                    titles[session].append(hist[-1 if hist[-1].get("metadata") else -2]["metadata"]["title"])
+
+        tasks = [asyncio.create_task(one("a"))]
+        await asyncio.sleep(0.3)
+        tasks.append(asyncio.create_task(one("b")))
+        deadline = time.monotonic() + 10
+        while not any("Queued: 2 of 2" in t for t in titles["b"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        eng.resume()
+        await asyncio.gather(*tasks)
+        return titles
+
+    try:
+        titles = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert any(t.startswith("⏳ Queued: 1 of ") and "engine paused" in t for t in titles["a"]), titles["a"]
+    assert any(t.startswith("⏳ Queued: 2 of 2") for t in titles["b"]), titles["b"]
+    assert titles["a"][-1].startswith("✓") and titles["b"][-1].startswith("✓")

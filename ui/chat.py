@@ -10,7 +10,8 @@ tab, a cancelled task) aborts the request in the engine, which frees its KV bloc
 once while the engine is paused).
 
 Every reply has a status line of its own (a Chatbot "thought" message above the reply, ``metadata.title``)
-that says where the request is, polled from the engine's telemetry a few times a second: sent, queued
+that says where the request is, from the state each of its outputs carries (``RequestOutput.state``: the
+engine sends an output when only that changed), redrawn a few times a second for the pause: sent, queued
 (position in the waiting queue), prefilling (n of m prompt tokens), decoding, preempted, finished or
 stopped, with "engine paused" while the presenter holds the engine; it also names the request and its
 colour in the panels. One reply at a time per tab: a message sent while a reply streams is refused with a
@@ -23,13 +24,13 @@ import asyncio
 import contextlib
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, cast
 
 import gradio as gr
 
-from engine.async_engine import EngineOverloadedError
-from engine.request import SamplingParams
+from engine.async_engine import AsyncEngine, EngineOverloadedError
+from engine.request import RequestOutput, RequestState, SamplingParams
 from ui.i18n import language, state_text
 
 
@@ -131,18 +132,27 @@ def is_status(message: Any) -> bool:
     return bool(meta and meta.get("title"))
 
 
+def state_dict(state: RequestState | None) -> dict[str, Any] | None:
+    """A :class:`engine.request.RequestState` (carried by each output) as :func:`status_text` takes it."""
+    if state is None:
+        return None
+    return {"state": state.kind, "position": state.position, "waiting": state.waiting, "computed": state.computed,
+            "prompt": state.prompt}
+
+
 def status_text(lang: str, state: dict | None, tokens: int, paused: bool, started: bool = False) -> tuple[str, bool]:
     """The status line of a streaming reply and whether it is final.
 
     Args:
         lang: ``"en"`` or ``"ko"``.
-        state: :meth:`engine.telemetry.Telemetry.request_state` of the request (None: not seen by the engine
-            yet), or ``{"state": "done" | "stopped" | "failed", "reason": str}`` from the stream's end.
+        state: where the request stands, from its newest output (:func:`state_dict` of ``RequestOutput.state``;
+            None: not seen by the engine yet), or ``{"state": "done" | "stopped" | "failed", "reason": str}`` from the stream's end.
         tokens: tokens generated so far; a queued request that already generated some was preempted.
         paused: the engine is paused (appends "engine paused" to a line that is not final).
         started: the request has held a batch slot before (queued again means preempted, even in prefill).
     """
-    kind = (state or {}).get("state")
+    state = state or {}
+    kind = state.get("state")
     final = kind in ("done", "stopped", "failed")
     if kind == "queued":
         key = "preempted" if tokens or started else "queued"
@@ -187,13 +197,14 @@ class ChatHandlers:
     """The Gradio handlers of the chat column, bound to one engine.
 
     Args:
-        engine: the process's ``AsyncEngine`` (``generate`` and ``abort``; ``telemetry.request_state`` and
-            ``paused`` for the status line when the engine has them).
+        engine: the process's ``AsyncEngine`` (``generate`` and ``abort``; its outputs' ``state`` and
+            ``paused`` for the status line).
         describe: ``(request id, lang) -> colour name`` of the request in the panels (None until drawn).
-        poll_s: how often a waiting reply re-reads its request's state (seconds).
+        poll_s: how often a waiting reply redraws its status line without a new output (the pause, the
+            colour once drawn) (seconds).
     """
 
-    def __init__(self, engine: Any, describe: Callable[[str, str], str | None] | None = None,
+    def __init__(self, engine: AsyncEngine, describe: Callable[[str, str], str | None] | None = None,
                  poll_s: float = 0.25) -> None:
         self.engine = engine
         self.active = ActiveRequests()
@@ -204,18 +215,13 @@ class ChatHandlers:
         self.replies: dict[str, LiveReply] = {}  # session -> the reply the page streams through its polls
         self._latest: dict[str, str] = {}  # session -> its latest request id (outlined in the panels)
 
-    def _state(self, request_id: str) -> dict | None:
-        telemetry = getattr(self.engine, "telemetry", None)
-        getter = getattr(telemetry, "request_state", None)
-        return getter(request_id) if getter is not None else None
-
     def _status(self, lang: str, request_id: str, state: dict | None, tokens: int, started: bool = False) -> dict:
         """The status line message: state, then the request id and its colour (once drawn) in the title, so
         it stays readable on a projector; a failed turn's line carries ``metadata.id`` :data:`FAILED_ID`."""
-        text, final = status_text(lang, state, tokens, bool(getattr(self.engine, "paused", False)), started)
+        text, final = status_text(lang, state, tokens, self.engine.paused, started)
         color = self.describe(request_id, lang) if self.describe is not None else None
         mine = state_text(lang, "mine", rid=request_id, color=color) if color else request_id
-        meta = {"title": f"{text} · {mine}", "status": "done" if final else "pending"}
+        meta: dict[str, str] = {"title": f"{text} · {mine}", "status": "done" if final else "pending"}
         if (state or {}).get("state") == "failed":
             meta["id"] = FAILED_ID
         return {"role": "assistant", "content": "", "metadata": meta}
@@ -229,7 +235,7 @@ class ChatHandlers:
         max_new_tokens: float,
         seed: float | None,
         request: gr.Request,
-    ) -> AsyncIterator[tuple]:
+    ) -> AsyncGenerator[tuple, None]:
         """Stream the assistant's reply to ``message``: yields ``(chatbot value, textbox value, request id)``.
 
         The first yield shows the user's message and the reply's status line and clears the textbox; later
@@ -264,23 +270,26 @@ class ChatHandlers:
             self._cleared.discard(request_id)
 
     async def respond_api(self, message: str, history: list[dict] | None, temperature: float, top_p: float,
-                          max_new_tokens: float, seed: float | None, request: gr.Request) -> AsyncIterator[tuple]:
+                          max_new_tokens: float, seed: float | None, request: gr.Request) -> AsyncGenerator[tuple, None]:
         """:meth:`respond` for the ``/chat`` API (``gradio_client``): yields ``(chatbot value, textbox value)``."""
         async with contextlib.aclosing(self.respond(message, history, temperature, top_p, max_new_tokens, seed,
                                                     request)) as replies:
             async for chatbot, box, _request_id in replies:
                 yield chatbot, box
 
-    async def _stream(self, history, message, messages, params, request_id, lang) -> AsyncIterator[tuple]:
+    async def _stream(self, history: list[dict] | None, message: str, messages: list[dict[str, str]],
+                      params: SamplingParams, request_id: str, lang: str) -> AsyncGenerator[tuple, None]:
         shown_before = [*(history or []), {"role": "user", "content": message}]
 
         def shown(status: dict, reply: str) -> list[dict]:  # a new list per yield: Gradio diffs old vs new
             return [*shown_before, status, *([{"role": "assistant", "content": reply}] if reply else [])]
 
         text, tokens, started = "", 0, False
+        engine_state: dict[str, Any] | None = None  # where the request stands, from its newest output
         status = self._status(lang, request_id, None, 0)
         yield (shown(status, ""), "", request_id)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[object] = asyncio.Queue()  # RequestOutput, an exception or _END
+        final: dict[str, Any] | None  # the reply's final state (as status_text takes it), once it has ended
         pump = asyncio.get_running_loop().create_task(self._pump(messages, params, request_id, queue))
         try:
             while True:
@@ -297,8 +306,9 @@ class ChatHandlers:
                 elif isinstance(out, BaseException):
                     text = f"⏳ {out}" if isinstance(out, EngineOverloadedError) else f"⚠️ {out}"
                     final = {"state": "failed"}
-                elif out is not None:
+                elif isinstance(out, RequestOutput):
                     text, tokens = out.text, len(out.token_ids)
+                    engine_state = state_dict(out.state) or engine_state
                     if out.error:
                         text = f"{text}\n\n⚠️ {out.error}" if text else f"⚠️ {out.error}"
                     final = None
@@ -309,8 +319,9 @@ class ChatHandlers:
                                  {"state": "done", "reason": reason})
                 else:
                     final = None
-                state = final or self._state(request_id)
-                started = started or (state or {}).get("state") in ("prefilling", "decoding")
+                state = final or engine_state
+                started = started or (state or {}).get("state") in ("prefilling", "decoding") or bool(
+                    out is not None and isinstance(out, RequestOutput) and out.state and out.state.preempted)
                 new_status = self._status(lang, request_id, state, tokens, started)
                 if out is not None or final is not None or new_status != status:
                     status = new_status
@@ -322,10 +333,14 @@ class ChatHandlers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
 
-    async def _pump(self, messages, params, request_id: str, queue: asyncio.Queue) -> None:
+    async def _pump(self, messages: list[dict[str, str]], params: SamplingParams, request_id: str,
+                    queue: asyncio.Queue[object]) -> None:
         """Copy the engine stream's outputs into ``queue``; an admission error is put there too."""
         try:
-            async with contextlib.aclosing(self.engine.generate(messages, params, request_id=request_id)) as stream:
+            # generate is an async generator function (annotated as returning an AsyncIterator): it has aclose()
+            outputs = cast(AsyncGenerator[RequestOutput, None],
+                           self.engine.generate(messages, params, request_id=request_id))
+            async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
                     queue.put_nowait(out)
         except Exception as exc:  # refused at admission (or the engine is down): shown in the bubble

@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import gradio as gr
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.telemetry import PHASE_IDLE, StepSnapshot
 from ui import figures, i18n
+from ui.invariance import build_invariance_section
 
 PLOT_HEIGHT = 280  # pixels per grid: header, controls, headline and both grids fit a 1366x768 screen
+
+# where the Compare tab takes its loaded model and tokenizer from (see :func:`model_of`)
+ModelSource: TypeAlias = AsyncEngine | EngineCore | LLM | tuple[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -116,12 +122,17 @@ class PolicyRun:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def model_of(engine: Any) -> tuple[Any, Any]:
+def model_of(source: ModelSource) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of an ``AsyncEngine``, an ``EngineCore``, an ``LLM`` or a
-    ``(model, tokenizer)`` pair."""
-    if isinstance(engine, tuple):
-        return engine
-    core = getattr(engine, "core", None) or getattr(engine, "engine", None) or engine
+    ``(model, tokenizer)`` pair (returned as it is)."""
+    if isinstance(source, tuple):
+        return source
+    if isinstance(source, AsyncEngine):
+        core = source.core
+    elif isinstance(source, LLM):
+        core = source.engine
+    else:
+        core = source
     return core.model, core.tokenizer
 
 
@@ -236,7 +247,7 @@ def headline_markdown(runs: dict[str, PolicyRun], lang: str = "en") -> str:
                          delta=delta)
 
 
-def build_compare_tab(engine: Any, default: str = "classic") -> dict:
+def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str, Any]:
     """Create the Compare tab's components in the current Gradio context (call inside ``with gr.Tab(...)``).
 
     One slide at 1366x768: the workload and the button in one row, a one-line headline (steps and idle
@@ -247,7 +258,7 @@ def build_compare_tab(engine: Any, default: str = "classic") -> dict:
 
     Args:
         engine: the app's ``AsyncEngine`` (its model object and tokenizer are reused; its state is not
-            touched), or an ``EngineCore`` / ``(model, tokenizer)``.
+            touched), or an ``EngineCore``, an ``LLM`` or a ``(model, tokenizer)`` pair (:func:`model_of`).
         default: preset selected at first.
 
     Returns:
@@ -277,4 +288,6 @@ def build_compare_tab(engine: Any, default: str = "classic") -> dict:
                              elem_id="compare-continuous")
     gr.Markdown(t("cmp_note"), elem_classes="cbp-note", elem_id="compare-note")
     run.click(on_run, preset, [summary, static, continuous], api_name="compare", concurrency_limit=1)
+    with gr.Accordion(t("inv_title"), open=False, elem_id="invariance"):
+        build_invariance_section(engine)
     return {"preset": preset, "run": run, "summary": summary, "static": static, "continuous": continuous}

@@ -11,9 +11,14 @@ The palette and the colour codes live in :mod:`ui.palette` (re-exported here).
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.io.json import to_json_plotly
 
 from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot
 from ui.palette import (  # noqa: F401  (re-exported: the figures' colour code)
@@ -40,17 +45,17 @@ from ui.palette import (  # noqa: F401  (re-exported: the figures' colour code)
 )
 
 LABELS_EN = {
-    "step": "engine step", "slot": "batch slot", "request": "request",
+    "step": "engine step", "slot": "batch slot", "request": "request", "others_fmt": " +{n} more",
     "tokens_step": "tokens this step", "tokens_cache": "tokens in cache", "admitted": "admitted",
     "block": "block", "owner": "owner", "free": "free", "cached": "free, cached prefix",
     "filled": "tokens filled", "refcount": "refcount", "reused": "times reused", "shared": "shared", "cache_hit": "prefix-cache hit",
     "reused_marker": "reused block", "running": "running", "waiting": "waiting", "kv": "KV usage %",
-    "prefill": "prefill", "decode": "decode", "idle": "idle (held)",
+    "prefill": "prefill", "decode": "decode", "idle": "idle (held)", "tile_fmt": "1 cell = {g} blocks", "held": "held",
     "outside": "not in the pool", "mine": "your request", "cache_hit_tokens": "prefix-cache hit tokens",
     "taken_marker": "taken this step", "taken_at": "taken at step {step}", "origin_new": "never used before",
     "origin_reused": "was {owner}'s, freed at step {freed}", "origin_own": "its own again, freed at step {freed}",
     "origin_cached": "cached prefix of {owner}, freed at step {freed}", "origin_shared": "shared with {owner}",
-    "totals_fmt": "{tok} tok · {steps} steps · {preempt} preempt.",
+    "totals_fmt": "{tok} tok · {steps} steps · {preempt} preempt.", "cached_short": "cached-free", "reused_short": "reused",
     "prefix_fmt": "{rate}% hit · {saved} tok saved", "prefix_window_fmt": " (last {steps} steps)",
 }
 
@@ -79,7 +84,7 @@ DEFAULT_WINDOW = 48  # steps on the occupancy x axis: at 1366x768 the panel's pl
 # so a cell is about 14.5 px, wide enough for the ▷ of a hand-over to read on a projector (96 gave 7 px)
 OCCUPANCY_MARGIN = {"l": 50, "r": 12, "t": 34, "b": 66}  # pixels; "b" holds tick labels, axis title and legend
 LEGEND_LINE_PX = 22  # height of one line of a horizontal legend (12 px font)
-
+BLOCK_CELL_LIMIT = 2048  # blocks: a larger pool is drawn in tiles of blocks (ui/block_tiles.py)
 
 
 def phase_code(color_index: int, phase: str) -> int:
@@ -91,22 +96,42 @@ def phase_code(color_index: int, phase: str) -> int:
     return IDLE_CODE
 
 
-def _figure(traces: list[dict], layout: dict) -> go.Figure:
-    """A ``go.Figure`` from plain trace and layout dicts in one call, without plotly's per-property
-    validation: the builders here pass fixed, known-good properties, and building the figures piece by
-    piece with validation took about 80% of a panel refresh (docs/performance.md)."""
-    return go.Figure({"data": traces, "layout": layout}, _validate=False)
+def _spec(traces: list[dict], layout: dict) -> dict:
+    return {"data": traces, "layout": layout}
 
 
-def occupancy_figure(
+def _figure(spec: dict) -> go.Figure:
+    """A ``go.Figure`` from a plain ``{"data": [...], "layout": {...}}`` spec in one call, without plotly's
+    per-property validation (known-good properties; validating took about 80% of a panel refresh,
+    docs/performance.md). The live panels serialise the spec instead (:func:`spec_json`)."""
+    return go.Figure(spec, _validate=False)
+
+
+def spec_json(spec: dict) -> str:
+    """A figure spec (a ``*_spec`` builder's result) as Plotly JSON text, the default template included:
+    what ``go.Figure(spec).to_json()`` writes, without the figure object's two deep copies of the data
+    (two thirds of a panel build's time)."""
+    layout = spec.get("layout") or {}
+    if "template" not in layout:
+        layout = {**layout, "template": _template()}
+    return to_json_plotly({"data": spec.get("data") or [], "layout": layout})
+
+
+@functools.cache
+def _template() -> dict:
+    return pio.templates[pio.templates.default].to_plotly_json()
+
+
+def occupancy_spec(
     snapshots: Sequence[StepSnapshot],
     colors: Mapping[str, int] | None = None,
     labels: Mapping[str, str] | None = None,
     height: int = 330,
     num_slots: int | None = None,
     window: int | None = None,
-) -> go.Figure:
-    """Slot-occupancy heatmap: x = engine step, y = batch slot, colour = request and phase.
+) -> dict:
+    """Slot-occupancy heatmap as a plain figure spec (``{"data": traces, "layout": layout}``; see
+    :func:`occupancy_figure` for the ``go.Figure``): x = engine step, y = batch slot, colour = request and phase.
 
     Trace 0 is the heatmap: ``z[slot][i]`` is :func:`phase_code` (None for an empty slot) and
     ``customdata[slot][i]`` is ``(request id, phase label, tokens this step, tokens in cache, prefix-cache
@@ -129,7 +154,7 @@ def occupancy_figure(
     colors = dict(colors) if colors is not None else default_colors(snapshots)
     steps = [s.step for s in snapshots]
     n_slots = max([len(s.batch_slots) for s in snapshots] + [num_slots or 0])
-    z = [[None] * len(steps) for _ in range(n_slots)]
+    z: list[list[int | None]] = [[None] * len(steps) for _ in range(n_slots)]
     cd = [[("", "", 0, 0, 0)] * len(steps) for _ in range(n_slots)]
     phase_name = {PHASE_PREFILL: L["prefill"], PHASE_DECODE: L["decode"], PHASE_IDLE: L["idle"]}
     adm_x, adm_y, adm_text = [], [], []
@@ -148,7 +173,7 @@ def occupancy_figure(
     hover = (f"{L['request']}: <b>%{{customdata[0]}}</b> (%{{customdata[1]}})<br>{L['step']}: %{{x}} · "
              f"{L['slot']}: %{{y}}<br>{L['tokens_step']}: %{{customdata[2]}}<br>"
              f"{L['tokens_cache']}: %{{customdata[3]}}<br>{L['cache_hit_tokens']}: %{{customdata[4]}}<extra></extra>")
-    traces = [
+    traces: list[dict] = [
         dict(type="heatmap", x=steps, y=list(range(n_slots)), z=z, customdata=cd, hovertemplate=hover,
              colorscale=COLORSCALE, showscale=False, xgap=1, ygap=1, hoverongaps=False, name="slots", **ZRANGE),
         dict(type="scatter", x=adm_x, y=adm_y, mode="markers", name=L["admitted"], text=adm_text,
@@ -170,8 +195,12 @@ def occupancy_figure(
                "zeroline": False, "range": _step_range(steps, window)},
         yaxis={**yaxis, "title": {"text": L["slot"]}, "showgrid": False, "zeroline": False},
     )
-    return _figure(traces, layout)
+    return _spec(traces, layout)
 
+
+def occupancy_figure(*args, **kwargs) -> go.Figure:
+    """:func:`occupancy_spec` (same arguments) as a ``go.Figure``."""
+    return _figure(occupancy_spec(*args, **kwargs))
 
 def _step_range(steps: Sequence[int], window: int | None) -> list[float] | None:
     """The x range of the occupancy heatmap (see :func:`occupancy_figure`)."""
@@ -206,7 +235,7 @@ def occupancy_highlight(
                    if s.request_id == request_id)
     if not cells:
         return None
-    rects = []  # (x0, x1, y0, y1) around each run of consecutive steps in one slot
+    rects: list[list[int]] = []  # [x0, x1, y0, y1, slot] around each run of consecutive steps in one slot
     for slot, step in cells:
         if rects and rects[-1][4] == slot and rects[-1][1] == step - 1:
             rects[-1][1] = step
@@ -218,11 +247,8 @@ def occupancy_highlight(
 
 def _rect_path(rects: Sequence[tuple[float, float, float, float]]) -> tuple[list, list]:
     """x and y of closed rectangles ``(x0, x1, y0, y1)`` in one line trace, separated by None."""
-    x: list = []
-    y: list = []
-    for x0, x1, y0, y1 in rects:
-        x += [x0, x1, x1, x0, x0, None]
-        y += [y0, y0, y1, y1, y0, None]
+    x = [v for x0, x1, _, _ in rects for v in (x0, x1, x1, x0, x0, None)]
+    y = [v for _, _, y0, y1 in rects for v in (y0, y0, y1, y1, y0, None)]
     return x, y
 
 
@@ -246,15 +272,22 @@ def _block_grid(snap: StepSnapshot | None, columns: int | None, num_blocks: int 
     return n, cols, (n + cols - 1) // cols
 
 
-def block_map_figure(
+def _mark(points: tuple[list[float], list[int]], x: float, y: int) -> None:
+    """Add the point ``(x, y)`` to a marker trace's x and y lists."""
+    points[0].append(x)
+    points[1].append(y)
+
+
+def block_map_spec(
     snap: StepSnapshot | None,
     colors: Mapping[str, int] | None = None,
     labels: Mapping[str, str] | None = None,
     columns: int | None = None,
     height: int = 330,
     num_blocks: int | None = None,
-) -> go.Figure:
-    """Physical KV block map: one cell per block, colour = owning request, blank = free.
+) -> dict:
+    """Physical KV block map as a plain figure spec (see :func:`block_map_figure` for the ``go.Figure``):
+    one cell per block, colour = owning request, blank = free (over :data:`BLOCK_CELL_LIMIT`: ui/block_tiles.py).
 
     Block ``b`` sits at row ``b // columns``, column ``b % columns`` (x = column, y = row). Trace 0 is
     the heatmap (``z`` is the owner's palette index, :data:`CACHED_CODE` for a free cached block,
@@ -279,19 +312,22 @@ def block_map_figure(
     """
     L = {**LABELS_EN, **(labels or {})}
     n, cols, rows = _block_grid(snap, columns, num_blocks)
+    if n > BLOCK_CELL_LIMIT:  # a large pool: one cell per tile of blocks (ui/block_tiles.py)
+        return importlib.import_module("ui.block_tiles").block_tiles_spec(snap, colors, labels, height, num_blocks)
     if n == 0:
-        return _figure([], {"height": height, "margin": {"l": 10, "r": 10, "t": 10, "b": 10}})
+        return _spec([], {"height": height, "margin": {"l": 10, "r": 10, "t": 10, "b": 10}})
     colors = dict(colors) if colors is not None else default_colors([snap] if snap is not None else [])
     if snap is not None:
         owners, tokens, refcount, reuses = snap.block_owners(), snap.block_tokens, snap.block_refcount, snap.block_reuses
         cached, hit_blocks = snap.cached_blocks, snap.cache_hit_blocks
         origins, taken_now = snap.block_origins, {t.block_id for t in snap.block_takes}
     else:
-        owners, tokens, refcount, reuses = [[]] * n, [0] * n, [0] * n, [0] * n
+        owners, tokens, refcount, reuses = [[]] * n, (0,) * n, (0,) * n, (0,) * n
         cached, hit_blocks, origins, taken_now = frozenset(), frozenset(), {}, set()
-    z = [[None] * cols for _ in range(rows)]
+    z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
     cd = [[(-1, "", 0, 0, 0, "")] * cols for _ in range(rows)]
-    reused, shared, hits, taken = ([], []), ([], []), ([], []), ([], [])
+    marks: list[tuple[list[float], list[int]]] = [([], []) for _ in range(4)]  # x and y of each marker trace
+    reused, shared, hits, taken = marks
     for b in range(n):
         r, c = divmod(b, cols)
         own = owners[b]
@@ -299,13 +335,13 @@ def block_map_figure(
             z[r][c] = colors.get(own[0], 0) % K
             state = ", ".join(own)
             if reuses[b] > 0:
-                reused[0].append(c), reused[1].append(r)
+                _mark(reused, c, r)
             if refcount[b] > 1:
-                shared[0].append(c), shared[1].append(r)
+                _mark(shared, c, r)
             if b in hit_blocks:
-                hits[0].append(c), hits[1].append(r)
+                _mark(hits, c, r)
             if b in taken_now:
-                taken[0].append(c - 0.3), taken[1].append(r)
+                _mark(taken, c - 0.3, r)
         elif b in cached:
             z[r][c] = CACHED_CODE
             state = L["cached"]
@@ -317,7 +353,7 @@ def block_map_figure(
     hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
              f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
              f"{L['reused']}: %{{customdata[4]}}<br>%{{customdata[5]}}<extra></extra>")
-    traces = [
+    traces: list[dict] = [
         dict(type="heatmap", z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE, showscale=False,
              xgap=1, ygap=1, hoverongaps=False, name="blocks", **ZRANGE),
         dict(type="scatter", x=reused[0], y=reused[1], mode="markers", name=L["reused_marker"], hoverinfo="skip",
@@ -344,8 +380,12 @@ def block_map_figure(
         yaxis={"title": {"text": L["block"]}, "range": [rows - 0.5, -0.5], "showgrid": False, "zeroline": False,
                "tickvals": list(range(0, rows, every)), "ticktext": [str(r * cols) for r in range(0, rows, every)]},
     )
-    return _figure(traces, layout)
+    return _spec(traces, layout)
 
+
+def block_map_figure(*args, **kwargs) -> go.Figure:
+    """:func:`block_map_spec` (same arguments) as a ``go.Figure``."""
+    return _figure(block_map_spec(*args, **kwargs))
 
 def block_map_highlight(
     snap: StepSnapshot | None,
@@ -357,8 +397,8 @@ def block_map_highlight(
     """An outline around the blocks of one request in :func:`block_map_figure` (the "your request" mark).
 
     One ``go.Scatter`` of lines at the block map's coordinates (x = column, y = row): a closed rectangle
-    around each run of consecutive block ids of the request's block table that lie in one grid row. It
-    refers to no other trace, so it can be appended to the figure or to its JSON.
+    around each run of consecutive block ids of its block table in one grid row (a pool over
+    :data:`BLOCK_CELL_LIMIT`: around its tiles). It can be appended to the figure or to its JSON.
 
     Args:
         snap: the step drawn by :func:`block_map_figure`.
@@ -373,27 +413,31 @@ def block_map_highlight(
         return None
     L = {**LABELS_EN, **(labels or {})}
     n, cols, _rows = _block_grid(snap, columns, num_blocks)
-    runs: list[list[int]] = []  # [first block, last block] of each run within a row
-    for b in sorted(set(snap.block_tables[request_id])):
-        if not 0 <= b < n:
-            continue
-        if runs and runs[-1][1] == b - 1 and b % cols:
-            runs[-1][1] = b
+    if n > BLOCK_CELL_LIMIT:
+        return importlib.import_module("ui.block_tiles").block_tiles_highlight(snap, request_id, labels, num_blocks)
+    return outline_cells({b for b in snap.block_tables[request_id] if 0 <= b < n}, cols, L["mine"])
+
+
+def outline_cells(cells: set[int], cols: int, name: str) -> go.Scatter | None:
+    """A rectangle around each run of consecutive grid ``cells`` in a row (cell c: column c % cols); or None."""
+    runs: list[list[int]] = []  # [first cell, last cell] of each run within a row
+    for c in sorted(cells):
+        if runs and runs[-1][1] == c - 1 and c % cols:
+            runs[-1][1] = c
         else:
-            runs.append([b, b])
+            runs.append([c, c])
     if not runs:
         return None
-    rects = [(b0 % cols - 0.5, b1 % cols + 0.5, b0 // cols - 0.5, b0 // cols + 0.5) for b0, b1 in runs]
-    x, y = _rect_path(rects)
-    return _mine_trace(x, y, L["mine"])
+    x, y = _rect_path([(a % cols - 0.5, b % cols + 0.5, a // cols - 0.5, a // cols + 0.5) for a, b in runs])
+    return _mine_trace(x, y, name)
 
 
-def rates_figure(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | None = None,
-                 height: int = 220) -> go.Figure:
-    """Running and waiting requests (left axis) and KV usage % (right axis) per engine step."""
+def rates_spec(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | None = None,
+               height: int = 220) -> dict:
+    """Running and waiting requests (left axis) and KV usage % (right axis) per step, as a plain figure spec."""
     L = {**LABELS_EN, **(labels or {})}
     x = [s.step for s in snapshots]
-    traces = [
+    traces: list[dict] = [
         dict(type="scatter", x=x, y=[s.num_running for s in snapshots], name=L["running"], mode="lines"),
         dict(type="scatter", x=x, y=[s.num_waiting for s in snapshots], name=L["waiting"], mode="lines"),
         dict(type="scatter", x=x, y=[round(100 * s.kv_usage, 1) for s in snapshots], name=L["kv"],
@@ -407,8 +451,12 @@ def rates_figure(snapshots: Sequence[StepSnapshot], labels: Mapping[str, str] | 
                 "tickmode": "linear", "ticksuffix": "%"},
         xaxis={"title": {"text": L["step"]}},
     )
-    return _figure(traces, layout)
+    return _spec(traces, layout)
 
+
+def rates_figure(*args, **kwargs) -> go.Figure:
+    """:func:`rates_spec` (same arguments) as a ``go.Figure``."""
+    return _figure(rates_spec(*args, **kwargs))
 
 def latency_text(seconds: float | None) -> str:
     """A latency for the counters: ``"123 ms"`` below 10 s, ``"12.3 s"`` from 10 s on, ``"-"`` for None."""
@@ -420,9 +468,8 @@ def latency_text(seconds: float | None) -> str:
 _ms = latency_text
 
 
-def counter_values(stats: Mapping[str, object], labels: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Formatted counters from :meth:`Telemetry.stats`; the totals and the prefix-cache line in the language
-    of ``labels`` (keys of :data:`LABELS_EN`; English by default). Latencies: see :func:`latency_text`."""
+def counter_values(stats: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Formatted counters from :meth:`Telemetry.stats`, totals and prefix-cache line in the language of ``labels``."""
     L = {**LABELS_EN, **(labels or {})}
     return {
         "running": str(stats.get("running", 0)),
@@ -437,7 +484,7 @@ def counter_values(stats: Mapping[str, object], labels: Mapping[str, str] | None
     }
 
 
-def _hit_rate(stats: Mapping[str, object], L: Mapping[str, str] = LABELS_EN) -> str:
+def _hit_rate(stats: Mapping[str, Any], L: Mapping[str, str] = LABELS_EN) -> str:
     """The prefix-cache counter: over the last steps (``prefix_hit_rate_window``) when the stats have it,
     else since the start; "-" when no prompt was looked up."""
     if "prefix_hit_rate_window" in stats:

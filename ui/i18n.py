@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from ui.block_tiles import TILE_LABELS_KO
 from ui.figures import LABELS_EN
 
 HOW_EN = """\
@@ -91,6 +92,20 @@ EN = {
     "cmp_headline": "{static} {s_steps} steps · {s_idle} idle slot-steps → {continuous} {c_steps} steps · "
                     "{c_idle} idle: {delta}",
     "cmp_fewer": "{n} fewer steps ({ratio}x)", "cmp_same": "the same number of steps", "cmp_more": "{n} more steps",
+    "inv_title": "Batch invariance: the same prompt alone and inside a busy batch",
+    "inv_note": "One seeded request (temperature 0.8, 48 tokens) runs twice on a fresh engine: alone, then "
+                "arriving while 12 other chats decode. Its random draws are the same both times, so any difference "
+                "comes from the logits. By default nothing guarantees that they match: some matrix kernels (MKL's "
+                "float32 ones among them) sum in an order that depends on how many rows the step has, and whether "
+                "the runs part depends on the CPU and the dtype. With **--batch-invariant** every linear runs in "
+                "fixed tiles of rows, and the two runs agree token for token (at some cost in speed). Marked: "
+                "tokens from the first difference on.",
+    "inv_run": "Run alone and in a busy batch, in both modes",
+    "inv_default": "default engine", "inv_batch_invariant": "--batch-invariant", "inv_dtype": "{dtype} on this CPU",
+    "inv_identical": "identical, {n} of {n} tokens", "inv_differs": "differs from token {i} of {n}",
+    "inv_lp_equal": "log-probabilities equal bit for bit",
+    "inv_lp_differ": "but their log-probabilities differ by up to {d} (a near-tie would flip a token)",
+    "inv_alone": "alone:", "inv_busy": "with {n} others (up to {m} per step):",
 }
 
 KO = {
@@ -126,6 +141,18 @@ KO = {
     "cmp_headline": "{static} {s_steps} 스텝 · 유휴 슬롯-스텝 {s_idle} → {continuous} {c_steps} 스텝 · "
                     "유휴 {c_idle}: {delta}",
     "cmp_fewer": "{n} 스텝 적음 ({ratio}배)", "cmp_same": "스텝 수 같음", "cmp_more": "{n} 스텝 더 많음",
+    "inv_title": "배치 불변성: 같은 프롬프트를 혼자, 그리고 바쁜 배치 안에서",
+    "inv_note": "시드를 준 요청 하나(temperature 0.8, 토큰 48개)를 새 엔진에서 두 번 실행합니다: 혼자, 그리고 다른 채팅 "
+                "12개가 디코딩하는 중에 도착해서. 두 번 모두 난수는 같으므로 차이는 로짓에서만 생깁니다. 기본 설정에서는 "
+                "같다는 보장이 없습니다: 일부 행렬 커널(MKL의 float32 커널 등)은 스텝의 행 수에 따라 합산 순서가 달라지고, "
+                "결과가 갈리는지는 CPU와 dtype에 따라 다릅니다. **--batch-invariant**에서는 모든 선형 층이 고정된 행 타일로 "
+                "계산되어 두 실행이 토큰 하나하나까지 같습니다(속도를 조금 대가로). 표시: 첫 차이부터의 토큰.",
+    "inv_run": "두 모드에서 혼자, 그리고 바쁜 배치 안에서 실행",
+    "inv_default": "기본 엔진", "inv_batch_invariant": "--batch-invariant", "inv_dtype": "이 CPU에서 {dtype}",
+    "inv_identical": "같음, 토큰 {n}개 중 {n}개", "inv_differs": "토큰 {n}개 중 {i}번째부터 다름",
+    "inv_lp_equal": "로그 확률도 비트 하나까지 같음",
+    "inv_lp_differ": "하지만 로그 확률이 최대 {d}만큼 다름 (거의 동점이면 토큰이 바뀔 수 있음)",
+    "inv_alone": "혼자:", "inv_busy": "다른 요청 {n}개와 함께 (스텝당 최대 {m}개):",
 }
 
 PREFIX = "cbp_"  # Gradio's own translations use keys such as "blocks" and "chat": keep ours apart
@@ -134,6 +161,7 @@ I18N = gr.I18n(en={PREFIX + k: v for k, v in EN.items()}, ko={PREFIX + k: v for 
 FIGURE_LABELS = {
     "en": dict(LABELS_EN),
     "ko": {
+        **TILE_LABELS_KO,
         "step": "엔진 스텝", "slot": "배치 슬롯", "request": "요청",
         "tokens_step": "이번 스텝 토큰", "tokens_cache": "캐시된 토큰", "admitted": "슬롯 배정",
         "block": "블록", "owner": "소유", "free": "비어 있음", "cached": "비어 있음 (프리픽스 캐시)",

@@ -10,11 +10,14 @@ import time
 from typing import Any
 
 import gradio as gr
+from fastapi import Request
 
+from engine.async_engine import AsyncEngine
 from ui import talk
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab
 from ui.i18n import EMBEDDED_MODEL, I18N, SUMMARY_TEXTS, language, state_text, t
+from ui.invariance import INVARIANCE_CSS
 from ui.live import LiveChannel, head_html
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, PLOT_HEIGHT, Panels
@@ -32,7 +35,7 @@ CSS = f"""
 #live-reply-title {{ font-size: 0.85em; opacity: 0.8; }}
 #live-reply-text {{ white-space: pre-wrap; }}
 #load-status {{ font-variant-numeric: tabular-nums; min-height: 1.4em; }}
-"""
+""" + INVARIANCE_CSS
 
 
 def live_html(session: str = "") -> str:
@@ -54,15 +57,14 @@ LIVE_REPLY_HTML = ('<div id="live-reply" hidden><div id="live-reply-title"></div
                    '<div id="live-reply-text"></div></div>')
 
 
-def engine_summary(engine: Any, model_name: str | None = None, lang: str = "en") -> str:
-    """One Markdown line describing the engine's configuration (model, slots, blocks, policy, free-block
-    order, context) in ``lang`` (``"en"`` or ``"ko"``; English when unknown)."""
-    cfg = getattr(engine, "config", None)
-    get = lambda name, default="?": getattr(cfg, name, default)  # noqa: E731
-    model = model_name or get("model", None) or EMBEDDED_MODEL.get(lang, EMBEDDED_MODEL["en"])
+def engine_summary(engine: AsyncEngine, model_name: str | None = None, lang: str = "en") -> str:
+    """One Markdown line describing the engine's configuration (model, slots, KV blocks and tokens per block,
+    policy, free-block order, context in tokens) in ``lang`` (``"en"`` or ``"ko"``; English when unknown)."""
+    cfg = engine.config
+    model = model_name or cfg.model or EMBEDDED_MODEL.get(lang, EMBEDDED_MODEL["en"])
     return SUMMARY_TEXTS.get(lang, SUMMARY_TEXTS["en"]).format(
-        model=model, slots=get("max_num_seqs"), blocks=get("num_blocks"), block_size=get("block_size"),
-        policy=get("policy"), order=get("free_block_order", "lru"), context=get("max_model_len"))
+        model=model, slots=cfg.max_num_seqs, blocks=cfg.num_blocks, block_size=cfg.block_size,
+        policy=cfg.policy, order=cfg.free_block_order, context=cfg.max_model_len)
 
 
 def is_host_page(host_key: str | None, given: str | None) -> bool:
@@ -74,7 +76,7 @@ def is_host_page(host_key: str | None, given: str | None) -> bool:
 
 
 def build_app(
-    engine: Any,
+    engine: AsyncEngine,
     *,
     model_name: str | None = None,
     refresh_s: float = 0.2,
@@ -106,16 +108,17 @@ def build_app(
     ``/resume``, ``/step``, ``/slow_motion`` (seconds per step), ``/next_handover`` and ``/next_block_reuse``
     (run until a slot or a KV block changes hands, then pause); the pacing ones only when no host key is set.
     """
-    cfg = getattr(engine, "config", None)
-    panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s,
-                    num_slots=getattr(cfg, "max_num_seqs", None), num_blocks=getattr(cfg, "num_blocks", None))
+    cfg = engine.config
+    panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s, num_slots=cfg.max_num_seqs,
+                    num_blocks=cfg.num_blocks)
     # every status line names the colour, queued ones too: a chat's request gets its colour when sent
     chat = ChatHandlers(engine, describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
     loadgen = LoadGenerator(engine)
     live = LiveChannel(engine, panels, chat, loadgen, window=window, refresh_s=refresh_s)
-    capacity = int(getattr(engine.telemetry, "capacity", 512))
+    capacity = int(engine.telemetry.capacity)
 
-    def lang_of(request: gr.Request | None) -> str:
+    def lang_of(request: gr.Request | Request | None) -> str:
+        """The language of a Gradio event's or a live-channel poll's request (its Accept-Language)."""
         headers = getattr(request, "headers", None) or {}
         return language(headers.get("accept-language"))
 

@@ -29,29 +29,35 @@ import html
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 
 from ui import talk
+from ui.chat import ChatHandlers
 from ui.i18n import EN, KO, PACE_TEXTS, state_text
+from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, Panels
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 LIVE_JS = Path(__file__).with_name("live.js")
 _BOLD = re.compile(r"\*\*(.+?)\*\*")
 
 
-def pacing_line(engine: Any, end: int | None, lang: str) -> str:
+def pacing_line(engine: AsyncEngine, end: int | None, lang: str) -> str:
     """One Markdown line: the engine's pace (running / paused at step n / slow motion) and, when the tab's
     panels are pinned on the timeline at step ``end``, which step they show."""
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
-    step = getattr(engine, "step_count", None)
-    line = L["paused" if getattr(engine, "paused", False) else "running"].format(step=step)
+    step = engine.step_count
+    line = L["paused" if engine.paused else "running"].format(step=step)
     line += talk.seek_text(engine, lang)
-    slow = float(getattr(engine, "min_step_time", 0.0) or 0.0)
+    slow = float(engine.min_step_time)
     if slow > 0:
         line += L["slow"].format(s=slow)
     if end is not None:
@@ -96,8 +102,8 @@ class LiveChannel:
         lease_s: a tab silent for this long (seconds) is taken as closed: its reply is aborted.
     """
 
-    def __init__(self, engine: Any, panels: Panels, chat: Any, loadgen: Any, window: int = 96,
-                 refresh_s: float = 0.2, lease_s: float = 90.0) -> None:
+    def __init__(self, engine: AsyncEngine, panels: Panels, chat: ChatHandlers, loadgen: LoadGenerator,
+                 window: int = 96, refresh_s: float = 0.2, lease_s: float = 90.0) -> None:
         self.engine = engine
         self.panels = panels
         self.chat = chat
@@ -162,7 +168,7 @@ class LiveChannel:
         view.last_seen = time.monotonic()
         mine = self.chat.latest_request(session)
         out: dict[str, Any] = {
-            "step": getattr(self.engine, "step_count", 0),
+            "step": self.engine.step_count,
             "pace": markdown_line_html(pacing_line(self.engine, view.pin, lang)),
             "load": self.loadgen.status(lang),
             "counters": self._counters(lang),
@@ -187,7 +193,7 @@ class LiveChannel:
         return text[:-1] + ',"figs":{' + parts + "}}"
 
     # ------------------------------------------------------------------ routes
-    def router(self, lang_of) -> APIRouter:
+    def router(self, lang_of: Callable[[Request], str]) -> APIRouter:
         """The routes, to include in the FastAPI app that serves the page. ``lang_of(request)`` gives the
         language ("en"/"ko") of a request."""
         router = APIRouter()

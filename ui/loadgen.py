@@ -21,11 +21,16 @@ import asyncio
 import contextlib
 import random
 import uuid
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.prompts import synthetic_chat
-from engine.request import SamplingParams
+from engine.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.telemetry import StepSnapshot
 
 __all__ = ["LoadGenerator", "LoadStats", "synthetic_chat"]
 
@@ -68,6 +73,58 @@ _STATUS = {
 }
 
 
+class ChatTasks:
+    """The tasks of a load generator: chats and pacing tasks on the running event loop, all cancellable at
+    once. Shared by :class:`LoadGenerator` (local engine) and ``ui.remote_client.RemoteLoad``."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()  # every run's tasks not yet done
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run ``coro`` as a task, kept in :attr:`tasks` until it is done.
+
+        Raises:
+            RuntimeError: no running event loop.
+        """
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def pace(self, n: int, rate: float, chat: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Spawn ``chat()`` ``n`` times, ``1 / rate`` seconds apart."""
+        for i in range(n):
+            self.spawn(chat())
+            if i + 1 < n:
+                await asyncio.sleep(1.0 / rate)
+
+    def cancel_all(self) -> int:
+        """Cancel every task not yet done; returns how many."""
+        tasks = [t for t in self.tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
+
+    @property
+    def active(self) -> int:
+        """Tasks not yet done, of every run."""
+        return sum(1 for t in self.tasks if not t.done())
+
+
+def run_size(n: float, rate: float) -> tuple[int, float] | None:
+    """A run's ``(chats, chats per second)`` as numbers; None when ``n <= 0`` (nothing to start).
+
+    Raises:
+        ValueError: ``rate <= 0``.
+    """
+    n, rate = int(n), float(rate)
+    if n <= 0:
+        return None
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    return n, rate
+
+
 class LoadGenerator:
     """Adds synthetic chats to an engine; one instance per process, shared by all tabs.
 
@@ -75,23 +132,22 @@ class LoadGenerator:
     loop): the counts are plain attributes updated by tasks on that loop.
 
     Args:
-        engine: the ``AsyncEngine`` (``generate`` is used, and ``telemetry.latest()`` when the engine has
-            telemetry).
+        engine: the ``AsyncEngine`` (``generate`` is used, and ``telemetry.latest()``).
         seed: seed of the prompt/length choice, so a talk can replay the same load.
 
     Attributes:
         stats: the current run's :class:`LoadStats` (a new object at each new run).
     """
 
-    def __init__(self, engine: Any, seed: int = 20261129) -> None:
+    def __init__(self, engine: AsyncEngine, seed: int = 20261129) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.stats = LoadStats()
-        self._tasks: set[asyncio.Task] = set()  # every run's tasks not yet done (stop() cancels them all)
-        self._run_tasks: set[asyncio.Task] = set()  # the current run's tasks not yet done
+        self._chats = ChatTasks()  # every run's tasks (stop() cancels them all)
         self._live: set[str] = set()  # the current run's request ids handed to the engine and not ended
         self._earlier: list[set[str]] = []  # earlier runs' live request ids (chats still going)
-        self._counted: tuple | None = None  # (snapshot, run, running ids, waiting ids): status() cache
+        # (snapshot, run, running ids, waiting ids, ended ids): status() cache
+        self._counted: tuple[StepSnapshot, int, frozenset[str], frozenset[str], frozenset[str]] | None = None
 
     @property
     def run(self) -> int:
@@ -101,18 +157,10 @@ class LoadGenerator:
     @property
     def active(self) -> int:
         """Synthetic chats (and pacing tasks) not yet done, of every run."""
-        return sum(1 for t in self._tasks if not t.done())
+        return self._chats.active
 
     def _prefix(self, run: int) -> str:
         return f"load-{run}-"
-
-    def _spawn(self, coro, run_tasks: set[asyncio.Task]) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        run_tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(run_tasks.discard)
-        return task
 
     async def _one(self, stats: LoadStats, live: set[str], temperature: float) -> None:
         messages, max_tokens = synthetic_chat(self.rng)
@@ -123,7 +171,9 @@ class LoadGenerator:
         live.add(rid)
         reason = None
         try:
-            async with contextlib.aclosing(self.engine.generate(messages, params, request_id=rid)) as stream:
+            # generate is an async generator function (annotated as returning an AsyncIterator): it has aclose()
+            outputs = cast(AsyncGenerator[RequestOutput, None], self.engine.generate(messages, params, request_id=rid))
+            async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
                     stats.chunks += 1
                     if out.finished:
@@ -143,13 +193,6 @@ class LoadGenerator:
         finally:
             live.discard(rid)
 
-    async def _pace(self, n: int, rate: float, temperature: float, stats: LoadStats, live: set[str],
-                    run_tasks: set[asyncio.Task]) -> None:
-        for i in range(n):
-            self._spawn(self._one(stats, live, temperature), run_tasks)
-            if i + 1 < n:
-                await asyncio.sleep(1.0 / rate)
-
     def start(self, n: int, rate: float, temperature: float = 0.8) -> None:
         """Add ``n`` chats at ``rate`` chats per second (from within the server's event loop).
 
@@ -165,17 +208,15 @@ class LoadGenerator:
             ValueError: ``rate <= 0`` (nothing is started).
             RuntimeError: no running event loop.
         """
-        n, rate = int(n), float(rate)
-        if n <= 0:
+        size = run_size(n, rate)
+        if size is None:
             return
-        if rate <= 0:
-            raise ValueError(f"rate must be > 0, got {rate}")
+        n, rate = size
         self._earlier = [live for live in (*self._earlier, self._live) if live]
-        self.stats = LoadStats(run=self.stats.run + 1)
-        self._run_tasks = set()
-        self._live = set()
-        self.stats.requested += n
-        self._spawn(self._pace(n, rate, temperature, self.stats, self._live, self._run_tasks), self._run_tasks)
+        self.stats = stats = LoadStats(run=self.stats.run + 1)
+        self._live = live = set[str]()
+        stats.requested += n
+        self._chats.spawn(self._chats.pace(n, rate, lambda: self._one(stats, live, temperature)))
 
     def stop(self) -> int:
         """Cancel every synthetic chat and pending start, and end the current run (the next :meth:`start`
@@ -184,17 +225,13 @@ class LoadGenerator:
         Returns:
             how many tasks (chats and pacing tasks) were cancelled.
         """
-        tasks = [t for t in self._tasks if not t.done()]
-        for t in tasks:
-            t.cancel()
-        return len(tasks)
+        return self._chats.cancel_all()
 
     def _engine_counts(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
         """This run's request ids running and waiting in the newest step snapshot, and the ids that ended in
-        that step; empty sets when there is no telemetry or no step yet. Cached per snapshot and run."""
+        that step; empty sets when there is no step yet. Cached per snapshot and run."""
         empty: frozenset[str] = frozenset()
-        telemetry = getattr(self.engine, "telemetry", None)
-        snap = telemetry.latest() if telemetry is not None else None
+        snap = self.engine.telemetry.latest()
         if snap is None:
             return empty, empty, empty
         cached = self._counted
@@ -222,8 +259,8 @@ class LoadGenerator:
         show as ``· N queued`` after "waiting", only when N > 0. Chats of the run not started yet (the rate
         holds them back) are in "requested" only.
 
-        Cheap (one snapshot read, counted once per snapshot) and never raises for an engine without
-        telemetry or with no step yet (then "running" and "waiting" are 0).
+        Cheap (one snapshot read, counted once per snapshot) and never raises for an engine with no step yet
+        (then "running" and "waiting" are 0).
 
         Returns:
             the line; ``"no run yet"`` before the first :meth:`start`.

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import NamedTuple
 
 from asyncio_throttle import Throttler
 from gradio.components.plot import PlotData
 from plotly.io.json import to_json_plotly
 
+from engine.telemetry import StepSnapshot, Telemetry
 from ui import figures
 from ui.i18n import figure_labels
 
@@ -28,8 +29,36 @@ PLOT_HEIGHT = 280  # pixels: the pacing row and both panels fit one 1366x768 scr
 COUNTER_KEYS = ("running", "waiting", "kv_usage", "tokens_per_s", "ttft", "tpot", "totals", "prefix_cache")
 
 
-def _plot_data(fig) -> PlotData:
-    return PlotData(type="plotly", plot=fig.to_json())
+class PanelKey(NamedTuple):
+    """What a set of panel figures shows; equal keys mean equal figures.
+
+    Attributes:
+        step: the last engine step drawn (0 before the first step).
+        window: engine steps shown.
+        lang: figure language (``"en"`` or ``"ko"``).
+        end: the step the tab pinned the window at (None: following the newest step).
+        version: ``Telemetry.version`` when drawn (it changes whenever the newest snapshot does).
+        mine: the request outlined in the figures (None: none).
+    """
+
+    step: int
+    window: int
+    lang: str
+    end: int | None
+    version: int
+    mine: str | None = None
+
+    def text(self) -> str:
+        """The key as the page receives it (and sends back as ``since``): the fields as a tuple's repr,
+        ``mine`` only when set, e.g. ``"(2, 96, 'en', None, 5)"`` or ``"(2, 96, 'en', None, 5, 'chat-1')"``."""
+        return repr(tuple(self) if self.mine is not None else tuple(self)[:-1])
+
+
+Plots = tuple[PlotData, PlotData, PlotData]  # occupancy, block map, rates
+
+
+def _plot_data(spec: dict) -> PlotData:
+    return PlotData(type="plotly", plot=figures.spec_json(spec))
 
 
 def _with_trace(plot: PlotData, trace) -> PlotData:
@@ -56,7 +85,7 @@ class Panels:
         num_blocks: KV blocks in the pool, to draw the free pool before the first step.
     """
 
-    def __init__(self, telemetry: Any, max_builds_per_s: float = 4.0, num_slots: int | None = None,
+    def __init__(self, telemetry: Telemetry, max_builds_per_s: float = 4.0, num_slots: int | None = None,
                  num_blocks: int | None = None) -> None:
         self.telemetry = telemetry
         self.num_slots = num_slots
@@ -67,51 +96,62 @@ class Panels:
         self._lock: asyncio.Lock | None = None
         # (window, lang, end) -> (key, snapshots drawn, serialised plots); a few variants, so tabs in two
         # languages or at two points of the timeline don't thrash
-        self._cache: dict[tuple, tuple[tuple, list, tuple[PlotData, PlotData, PlotData]]] = {}
-        self._mine: dict[tuple, tuple[PlotData, PlotData]] = {}  # (key, request id) -> outlined plots
+        self._cache: dict[tuple[int, str, int | None], tuple[PanelKey, list[StepSnapshot], Plots]] = {}
+        self._mine: dict[PanelKey, tuple[PlotData, PlotData]] = {}  # key with ``mine`` -> outlined plots
         self.builds = 0
 
-    def _window(self, window: int, end: int | None) -> list:
+    def _window(self, window: int, end: int | None, margin: bool = False) -> list[StepSnapshot]:
+        """The steps drawn; with ``margin``, a pinned last step is at least the second oldest kept, so that
+        one step recorded while drawing cannot push it out of the ring (large pools rebuild its blocks)."""
         snaps = self.telemetry.snapshots()
         if end is not None:
+            if margin and len(snaps) > 1:
+                end = max(end, snaps[1].step)
             snaps = [s for s in snaps if s.step <= end] or snaps[:1]
         return snaps[-window:]
 
-    def build(self, window: int, lang: str, end: int | None = None) -> tuple[tuple, tuple[Any, Any, Any]]:
-        """Build the three figures now (any thread): returns ``(key, (occupancy, blocks, rates))``.
+    def _build(self, window: int, lang: str,
+               end: int | None) -> tuple[PanelKey, list[StepSnapshot], tuple[dict, dict, dict]]:
+        for attempt in range(3):
+            try:
+                return self._build_once(window, lang, end, margin=attempt > 0)
+            except LookupError:  # the drawn step left the telemetry ring while drawing (large pools): again
+                continue
+        return self._build_once(window, lang, end, margin=True)
 
-        ``key`` is ``(last step drawn, window, lang, end, telemetry version)``; the figures are ``go.Figure``
-        objects; ``end`` pins the window's last step (None: the newest step).
-        """
-        key, _snaps, figs = self._build(window, lang, end)
-        return key, figs
-
-    def _build(self, window: int, lang: str, end: int | None):
+    def _build_once(self, window: int, lang: str, end: int | None,
+                    margin: bool = False) -> tuple[PanelKey, list[StepSnapshot], tuple[dict, dict, dict]]:
         version = self.telemetry.version
-        snaps = self._window(window, end)
+        snaps = self._window(window, end, margin)
         labels = figure_labels(lang)
         colors = self.colors.update(snaps)
         last = snaps[-1] if snaps else None
-        key = (last.step if last else 0, window, lang, end, version)
+        key = PanelKey(last.step if last else 0, window, lang, end, version)
         figs = (
-            figures.occupancy_figure(snaps, colors, labels, num_slots=self.num_slots, window=window,
-                                     height=PLOT_HEIGHT),
-            figures.block_map_figure(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT),
-            figures.rates_figure(snaps, labels),
+            figures.occupancy_spec(snaps, colors, labels, num_slots=self.num_slots, window=window,
+                                   height=PLOT_HEIGHT),
+            figures.block_map_spec(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT),
+            figures.rates_spec(snaps, labels),
         )
         return key, snaps, figs
 
-    def _build_serialised(self, window: int, lang: str, end: int | None):
-        key, snaps, figs = self._build(window, lang, end)
-        return key, snaps, tuple(_plot_data(f) for f in figs)
+    def _build_serialised(self, window: int, lang: str, end: int | None) -> tuple[PanelKey, list[StepSnapshot], Plots]:
+        key, snaps, (occupancy, blocks, rates) = self._build(window, lang, end)
+        return key, snaps, (_plot_data(occupancy), _plot_data(blocks), _plot_data(rates))
 
-    async def plots(self, window: int, lang: str, end: int | None = None):
-        """``(key, snapshots drawn, (occupancy, blocks, rates))``, rebuilt only if the picture changed."""
+    async def plots(self, window: int, lang: str, end: int | None = None) -> tuple[PanelKey, list[StepSnapshot], Plots]:
+        """``(key, snapshots drawn, (occupancy, blocks, rates))``, rebuilt only if the picture changed.
+
+        Args:
+            window: steps shown.
+            lang: figure language.
+            end: pin the window's last step (None: follow the newest step).
+        """
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             cached = self._cache.get((window, lang, end))
-            if cached is None or (end is None and cached[0][4] != self.telemetry.version):
+            if cached is None or (end is None and cached[0].version != self.telemetry.version):
                 async with self.throttler:
                     cached = await asyncio.to_thread(self._build_serialised, window, lang, end)
                     self.builds += 1
@@ -127,18 +167,22 @@ class Panels:
         index = self.colors.reserve(request_id) if reserve else self.colors.index_of(request_id)
         return None if index is None else figures.color_name(index, lang)
 
-    async def _outlined(self, key: tuple, snaps: list, plots: tuple, mine: str, lang: str):
-        cached = self._mine.get((key, mine))
+    async def _outlined(self, key: PanelKey, snaps: list[StepSnapshot], plots: Plots, mine: str,
+                        lang: str) -> tuple[PlotData, PlotData] | None:
+        """Occupancy and block map of ``key`` with ``mine`` outlined (None when it is in neither);
+        ``key`` is the figures' key without ``mine``."""
+        mine_key = key._replace(mine=mine)
+        cached = self._mine.get(mine_key)
         if cached is None:
             labels = figure_labels(lang)
             occ = figures.occupancy_highlight(snaps, mine, labels)
             blk = figures.block_map_highlight(snaps[-1], mine, labels, num_blocks=self.num_blocks) if snaps else None
             if occ is None and blk is None:
                 return None
-            cached = await asyncio.to_thread(
+            outlined: tuple[PlotData, PlotData] = await asyncio.to_thread(
                 lambda: (plots[0] if occ is None else _with_trace(plots[0], occ),
                          plots[1] if blk is None else _with_trace(plots[1], blk)))
-            self._mine[(key, mine)] = cached
+            cached = self._mine[mine_key] = outlined
             while len(self._mine) > 64:
                 self._mine.pop(next(iter(self._mine)))
         return cached
@@ -152,8 +196,8 @@ class Panels:
                           end: int | None = None) -> tuple[str, tuple[str, str, str]]:
         """The figures a tab's poll shows: ``(key, (occupancy, blocks, rates))`` as Plotly JSON text.
 
-        ``key`` names what is drawn (last step, window, language, pin, telemetry version, and the outlined
-        request); equal keys mean equal figures, so a tab that already has them gets none. Figures are
+        ``key`` names what is drawn (:meth:`PanelKey.text` of the last step, window, language, pin, telemetry
+        version, and the outlined request); equal keys mean equal figures, so a tab that already has them gets none. Figures are
         rebuilt only when the engine made a step (or ``window`` / ``end`` change), then shared by every tab.
 
         Args:
@@ -167,5 +211,5 @@ class Panels:
             outlined = await self._outlined(key, snaps, plots, mine, lang)
             if outlined is not None:
                 plots = (*outlined, plots[2])
-                key = (*key, mine)
-        return repr(key), tuple(p.plot for p in plots)
+                key = key._replace(mine=mine)
+        return key.text(), (plots[0].plot, plots[1].plot, plots[2].plot)

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.handover import NextBlockReuse, NextHandover
 from ui.i18n import PACE_TEXTS
 
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
 KINDS = ("handover", "reuse")
 
 
-def condition_for(engine: Any, kind: str):
-    """A fresh condition object for ``kind`` (``"handover"`` or ``"reuse"``).
+def condition_for(engine: AsyncEngine, kind: str) -> NextHandover | NextBlockReuse:
+    """A fresh condition object for ``kind`` (``"handover"`` or ``"reuse"``), for ``engine.run_until``.
 
     Raises:
         ValueError: an unknown kind.
@@ -28,8 +31,9 @@ def condition_for(engine: Any, kind: str):
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-async def run_to(engine: Any, kind: str, wait_s: float = 10.0, poll_s: float = 0.03) -> bool:
-    """Run the engine to the next ``kind`` event and wait (at most ``wait_s`` seconds) until it stops there.
+async def run_to(engine: AsyncEngine, kind: str, wait_s: float = 10.0, poll_s: float = 0.03) -> bool:
+    """Run the engine to the next ``kind`` event and wait (at most ``wait_s`` seconds, polling every ``poll_s``
+    seconds) until it stops there.
 
     Returns:
         True when the engine stopped (paused on the event's step, or after ``run_until``'s step budget);
@@ -45,25 +49,29 @@ async def run_to(engine: Any, kind: str, wait_s: float = 10.0, poll_s: float = 0
     return not engine.seeking
 
 
-def seek_text(engine: Any, lang: str) -> str:
+def seek_text(engine: AsyncEngine, lang: str) -> str:
     """The part of the pace line about run-to: "running to the next hand-over…" while it runs; what it found
     while the engine is paused on that step ("hand-over: slot 2 from A to D"); "" otherwise."""
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
-    cond = getattr(engine, "until_condition", None)
-    kind = "handover" if isinstance(cond, NextHandover) else "reuse" if isinstance(cond, NextBlockReuse) else None
-    if kind is None:
+    cond = engine.until_condition
+    if not isinstance(cond, (NextHandover, NextBlockReuse)):
         return ""
-    if getattr(engine, "seeking", False):
+    kind = "handover" if isinstance(cond, NextHandover) else "reuse"
+    if engine.seeking:
         return L["seeking_" + kind]
-    found = cond.found
-    if not getattr(engine, "paused", False) or getattr(engine, "until_met", None) is not True or found is None:
-        if getattr(engine, "until_met", None) is False and getattr(engine, "paused", False) and found is None:
+    handover = cond.found if isinstance(cond, NextHandover) else None
+    reuse = cond.found if isinstance(cond, NextBlockReuse) else None
+    found = handover or reuse
+    if not engine.paused or engine.until_met is not True or found is None:
+        if engine.until_met is False and engine.paused and found is None:
             return L["not_found_" + kind]
         return ""
-    if found[0] != getattr(engine, "step_count", None):  # stepped on since: the find is old news
+    if found[0] != engine.step_count:  # stepped on since: the find is old news
         return ""
-    if kind == "handover":
-        _step, slot, prev, new = found
+    if handover is not None:
+        _step, slot, prev, new = handover
         return L["found_handover"].format(slot=slot, prev=prev, new=new)
-    _step, block, prev, freed, new, how = found
-    return L["found_" + how].format(block=block, prev=prev, freed=freed, new=new)
+    if reuse is not None:
+        _step, block, prev, freed, new, how = reuse
+        return L["found_" + how].format(block=block, prev=prev, freed=freed, new=new)
+    return ""

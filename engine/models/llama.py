@@ -183,6 +183,7 @@ class LlamaForward:
         residual = None
         for layer in self.layers:
             h, residual = layer.forward(h, residual, positions, self.rope, meta)
+        assert residual is not None  # set by the first layer (a model has at least one)
         h = h.index_select(0, logits_rows)
         residual = residual.index_select(0, logits_rows)
         kernels.fused_add_rms_norm(h, residual, self.norm, self.eps)
