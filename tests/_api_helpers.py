@@ -42,7 +42,7 @@ def serve_tiny_api(tiny_model, tokenizer, **api_kwargs) -> Iterator[SimpleNamesp
     engine.shutdown()
 
 
-def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
+def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> bool:
     """True once no request is pending, running or waiting and no block is held (within ``timeout``)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -159,7 +159,7 @@ def test_streaming_disconnect_aborts_within_a_step(api):
     for _ in range(3):
         next(lines)
     ctx.__exit__(None, None, None)  # the client goes away mid-answer
-    assert wait_idle(api.engine, timeout=5)
+    assert wait_idle(api.engine)
     rec = finished_record(api.engine, rid)
     assert rec is not None and rec.finish_reason == "abort" and rec.num_output_tokens < 900
     normal_request_works(api)
@@ -170,7 +170,7 @@ def test_non_streaming_disconnect_aborts(api):
     with pytest.raises(httpx.ReadTimeout):
         api.http.post("/v1/completions", json={"model": MODEL, "prompt": "Go on:", "max_tokens": 900,
                                                "ignore_eos": True}, timeout=0.5)
-    assert wait_idle(api.engine, timeout=5)
+    assert wait_idle(api.engine)
     rec = api.engine.telemetry.finished_requests()[-1]
     assert rec.finish_reason == "abort" and rec.num_output_tokens < 900
     assert rec.e2e < time.monotonic() - t0  # ended before we looked, not by running to its end
@@ -185,7 +185,7 @@ def test_disconnect_while_waiting_for_a_slot(api):
         with pytest.raises(httpx.ReadTimeout):
             api.http.post("/v1/completions", json={"model": MODEL, "prompt": "Wait:", "max_tokens": 5,
                                                    "stream": True}, timeout=0.3)
-        end = time.monotonic() + 5
+        end = time.monotonic() + 30
         while time.monotonic() < end:
             rec = api.engine.telemetry.finished_requests()[-1]
             if rec.finish_reason == "abort" and rec.num_output_tokens == 0:

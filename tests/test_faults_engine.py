@@ -5,6 +5,7 @@ with seeded requests) and what the engine reports after failing everything. Same
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine.async_engine import AsyncEngine
 from engine.request import SamplingParams
@@ -100,7 +101,10 @@ def test_fault_while_paused_keeps_the_engine_thread(tiny_model, tokenizer, monke
 
         async def during_pause():
             t = asyncio.ensure_future(one(4))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while armed["on"]:  # the queued request is applied (and the fault fires) while paused
+                assert time.monotonic() < deadline, "the queued request was not applied while paused"
+                await asyncio.sleep(0.01)
             eng.resume()
             return await t
 

@@ -5,6 +5,7 @@ on the stepping thread for AsyncEngine or LLM."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -98,9 +99,8 @@ def test_async_requests_join_the_queue_in_the_order_they_were_submitted(tiny_mod
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         prompts = ["word " * 200, "hi", "x " * 50, "ok"]
         tasks = [asyncio.create_task(eng.generate_text(p, params, request_id=f"r{i}")) for i, p in enumerate(prompts)]
-        for _ in range(500):
-            if len(eng.telemetry.queue) == 4:
-                break
+        deadline = time.monotonic() + 30
+        while len(eng.telemetry.queue) < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         queue = eng.telemetry.queue
         eng.resume()

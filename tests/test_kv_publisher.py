@@ -97,12 +97,18 @@ def test_wire_encodings_round_trip_and_the_array_one_reads_with_vllms_example_ty
             decode_batch(bad)
 
 
-def recv_all(sub: zmq.Socket, timeout_ms: int = 2000) -> list[tuple[bytes, int, bytes]]:
+def recv_all(sub: zmq.Socket, timeout_ms: int = 2000, until: int | None = None) -> list[tuple[bytes, int, bytes]]:
+    """What arrives until ``timeout_ms`` passes without a message (200 ms after the first one); with ``until``, until
+    the message numbered ``until - 1`` arrived (30 s at most between two: a loaded machine may deliver late)."""
     out = []
+    if until is not None:
+        timeout_ms = 30_000
     while sub.poll(timeout_ms):
         topic, seq, payload = sub.recv_multipart()
         out.append((topic, int.from_bytes(seq, "big"), payload))
-        timeout_ms = 200
+        if until is not None and out[-1][1] >= until - 1:
+            break
+        timeout_ms = 200 if until is None else 30_000
     return out
 
 
@@ -117,9 +123,15 @@ def test_a_subscriber_follows_the_engines_prefix_cache_and_replays_what_it_misse
     assert publisher.poll_once() == 0  # before the first step: nothing yet (the server's thread starts here too)
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(f"tcp://127.0.0.1:{pub_port}")
     sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
     try:
+        # the SUB connection is up (however slowly a loaded machine made it); the sleep below lets the
+        # subscription itself reach the PUB socket
+        assert monitor.poll(30_000), "the SUB socket did not connect"
+        sub.disable_monitor()
+        monitor.close(linger=0)
         ours: list = []
         prompt = list(range(5, 5 + 50))  # 3 full blocks of 16
         for rid in ("a", "b"):  # b hits a's cached prefix: nothing new is stored for it
@@ -127,9 +139,9 @@ def test_a_subscriber_follows_the_engines_prefix_cache_and_replays_what_it_misse
             while core.has_unfinished_requests():
                 core.step()
                 ours.extend(e for e in core.telemetry.latest().kv_events if isinstance(e, OurStored))
-        time.sleep(0.3)  # the slow-joiner: the SUB connection settles before the first batch goes out
+        time.sleep(1.0)  # the slow-joiner: the SUB connection settles before the first batch goes out
         assert publisher.poll_once() >= 1
-        got = recv_all(sub)
+        got = recv_all(sub, until=publisher.seq)
         assert got and all(t == b"kv-events" for t, _, _ in got)
         assert [s for _, s, _ in got] == list(range(len(got)))
         events = [e for _, _, p in got for e in decode_batch(p).events]
@@ -146,7 +158,7 @@ def test_a_subscriber_follows_the_engines_prefix_cache_and_replays_what_it_misse
         while core.has_unfinished_requests():
             core.step()
         publisher.poll_once()
-        later_msgs = recv_all(sub)
+        later_msgs = recv_all(sub, until=publisher.seq)
         later = [e for _, _, p in later_msgs for e in decode_batch(p).events]
         removed = {h for e in later if e.type == "BlockRemoved" for h in e.block_hashes}
         assert set(stored) <= removed
@@ -154,11 +166,11 @@ def test_a_subscriber_follows_the_engines_prefix_cache_and_replays_what_it_misse
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{replay_port}")
         dealer.send_multipart([b"", (1).to_bytes(8, "big")])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not dealer.poll(50) and time.monotonic() < deadline:
             publisher.serve_replay()
         replayed = []
-        while dealer.poll(3000):
+        while dealer.poll(30_000):  # (it ends at the end marker)
             frames = dealer.recv_multipart()
             # vLLM 0.32's framing carries the topic (empty on the end marker); the older one does not
             assert len(frames) == (4 if encoding == "vllm" else 3) and frames[0] == b""
@@ -197,7 +209,7 @@ def test_the_server_publishes_with_the_flag_and_speaks_vllms_metric_names(tiny_m
             body = {"model": "tiny", "prompt": " ".join(["hello world"] * 30), "max_tokens": 12, "ignore_eos": True}
             for _ in range(2):
                 assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
-            events = [e for _, _, p in recv_all(sub, 5000) for e in decode_batch(p).events]
+            events = [e for _, _, p in recv_all(sub, 30_000) for e in decode_batch(p).events]
             assert any(e.type == "BlockStored" for e in events)
             fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -58,7 +58,7 @@ def test_a_reply_streams_through_polls_and_is_committed_into_the_chatbot():
         assert waiting["rid"] == rid and not waiting["final"] and waiting["text"] == ""
         not_yet = chat.commit(req("tab"))  # the page commits only once the reply ended
         gate.set()
-        for _ in range(200):
+        for _ in range(3000):  # (30 s at most)
             frame = json.loads(await live.frame("tab", None))["chat"]
             if frame["final"]:
                 break

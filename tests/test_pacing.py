@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -21,7 +22,7 @@ def engine(tiny_model, tokenizer):
     eng.shutdown()
 
 
-async def _until(cond, timeout=5.0):
+async def _until(cond, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
@@ -46,12 +47,14 @@ def test_pause_queues_requests_and_single_steps_run_exactly_one_step(engine):
         states: list[str] = []
         task = asyncio.create_task(consume())
         await _until(lambda: engine.core.stats().num_waiting == 1)  # queued, not run
+        await _until(lambda: states)  # (a loaded machine may take a while to deliver the first output)
         await asyncio.sleep(0.2)
         # no step ran; the stream says where the request stands (one channel: its outputs carry its state)
         assert engine.step_count == before and tokens == [0] and states == ["queued"]
         for k in range(1, 4):  # each press: exactly one step, one more token
             engine.step_once()
             await _until(lambda k=k: engine.step_count == before + k)
+            await _until(lambda k=k: tokens[-1] == k)
             await asyncio.sleep(0.1)
             assert engine.step_count == before + k and tokens[-1] == k
         engine.resume()
@@ -67,8 +70,10 @@ def test_abort_while_paused_frees_blocks_without_a_step(engine):
             async for out in engine.generate("a longer prompt to hold blocks", SamplingParams(max_tokens=500,
                                                                                             ignore_eos=True)):
                 if len(out.token_ids) >= 3:
+                    paused_at = time.monotonic()
                     engine.pause()
-                    await asyncio.sleep(0.1)
+                    # the stepping thread holds (a step it was running has ended): no step runs from here on
+                    await _until(lambda t=paused_at: engine.pacing.held_time(t, math.inf) > 0)
                     return engine.step_count  # leaving the stream aborts the request
 
         steps = await consume()
@@ -129,7 +134,8 @@ def test_a_request_id_is_free_again_only_once_the_core_is_done_with_it(engine):
             if out.token_ids:
                 break
         outs = []
-        for _ in range(200):  # at once: the old request's abort may not have gone through yet
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # at once: the old request's abort may not have gone through yet
             try:
                 async for out in engine.generate("a new prompt", SamplingParams(max_tokens=3, ignore_eos=True),
                                                  request_id="x"):

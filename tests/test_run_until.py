@@ -24,7 +24,7 @@ def engine(tiny_model, tokenizer):
     eng.shutdown()
 
 
-async def _until(cond, timeout=10.0):
+async def _until(cond, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
@@ -106,6 +106,7 @@ def test_ttft_and_tpot_leave_out_the_time_the_engine_was_paused(engine):
         engine.pause()
         task = asyncio.create_task(engine.generate_text("waits while paused", SamplingParams(max_tokens=4,
                                                                                            ignore_eos=True)))
+        await _until(lambda: engine.core.stats().num_waiting == 1)  # (a loaded machine may take a while)
         await asyncio.sleep(0.6)  # queued, engine held
         engine.step_once()
         await _until(lambda: engine.step_count == 1)

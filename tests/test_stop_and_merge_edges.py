@@ -5,6 +5,7 @@ deep waiting queue."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -70,6 +71,10 @@ def test_an_outputs_ttft_says_which_part_the_engine_was_paused(tiny_model, token
         eng.pause()
         agen = eng.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True), request_id="held")
         first = asyncio.ensure_future(agen.__anext__())
+        deadline = time.monotonic() + 30
+        while not first.done():  # its first output (queued): the request has arrived, the pause counts from here
+            assert time.monotonic() < deadline, "the request was not queued"
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.8)
         eng.resume()
         outs = [await first] + [o async for o in agen]

@@ -208,7 +208,7 @@ def test_load_generator_runs_n_chats_and_stops():
         eng2 = StubEngine(gate=gate)
         gen2 = LoadGenerator(eng2)
         gen2.start(3, rate=1000.0)
-        await asyncio.sleep(0.05)
+        await _until(lambda: gen2.stats.started == 3)  # all three chats began (a loaded machine may lag)
         cancelled = gen2.stop()
         await asyncio.sleep(0.01)
         return eng, done, gen2, cancelled, eng2
@@ -453,7 +453,7 @@ def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokeniz
         tasks = [asyncio.create_task(one("a"))]
         await asyncio.sleep(0.3)
         tasks.append(asyncio.create_task(one("b")))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not any("Queued: 2 of 2" in t for t in titles["b"]) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         eng.resume()
