@@ -128,3 +128,10 @@ def rotary_embedding(positions, q, k, cos, sin, head_dim) -> None:
 def silu_and_mul(x, out=None):
     """``silu(gate) * up`` of ``x`` ``[num_tokens, 2 * I]``; see :func:`kernels.torch_ops.silu_and_mul`."""
     return _layer_impl(x).silu_and_mul(x, out=out)
+
+
+def logits_argmax(logits):
+    """``(index int64 [S], finite bool [S])`` of ``logits`` ``[S, vocab]``: each row's first argmax (as
+    ``torch.argmax(logits.float(), dim=-1)``) and whether the row is all finite; one pass in C++ on CPU.
+    See :func:`kernels.torch_ops.logits_argmax`."""
+    return _layer_impl(logits).logits_argmax(logits)

@@ -33,7 +33,7 @@ import torch
 from kernels import torch_ops
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp"]  # both include cpu_vec.h
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp"]  # all include cpu_vec.h
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -296,3 +296,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return torch_ops.silu_and_mul(x, out=out)
     load().silu_and_mul(out, x)
     return out
+
+
+def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`kernels.torch_ops.logits_argmax`, one pass per row in C++."""
+    if not (_rows_ok(logits) and logits.shape[0] > 0 and logits.shape[1] > 0):
+        return torch_ops.logits_argmax(logits)
+    index = torch.empty(logits.shape[0], dtype=torch.int64)
+    finite = torch.empty(logits.shape[0], dtype=torch.bool)
+    load().logits_argmax(index, finite, logits)
+    return index, finite

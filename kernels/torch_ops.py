@@ -212,3 +212,17 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     i = x.shape[-1] // 2
     y = F.silu(x[..., :i]) * x[..., i:]
     return y if out is None else out.copy_(y)
+
+
+def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax and whether the row is all finite (the reference of the C++ op).
+
+    Args:
+        logits: ``[num_rows, vocab]``, any floating dtype.
+
+    Returns:
+        ``(index int64 [num_rows], finite bool [num_rows])``; ``index`` equals
+        ``torch.argmax(logits.float(), dim=-1)`` (ties: the lowest position; a NaN counts as the maximum).
+    """
+    x = logits.float()
+    return x.argmax(dim=-1), torch.isfinite(x).all(dim=-1)

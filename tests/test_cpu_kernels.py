@@ -369,3 +369,36 @@ def test_engine_linear_matches_f_linear():
         x = torch.randn(7, 64, generator=g).to(dtype)
         for bias in (None, b):
             assert torch.equal(Linear(w, bias)(x), F.linear(x, w, bias))
+
+
+# ------------------------------------------------------------------------------------------------
+# the logits pass of the sampler and the fault check
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,vocab", [(64, 49152), (3, 17), (1, 1), (6, 1003), (2, 15)])
+def test_logits_argmax_matches_torch(ext, dtype, rows, vocab):
+    """kernels.logits_argmax equals torch.argmax over the float32 values and torch.isfinite(...).all
+    per row: ties (the lowest position), NaN rows (the first NaN), +inf / -inf, rows of -inf only, a
+    vocab that is not a multiple of the vector width, and rows with a stride."""
+    g = torch.Generator().manual_seed(rows * 131 + vocab)
+    x = torch.randn(rows, vocab + 5, generator=g).to(dtype)[:, :vocab]  # rows with a stride
+    if rows >= 3:
+        x[0, :] = x[0, vocab // 2]                 # every value tied
+        x[1, vocab // 3] = float("nan")
+        x[1, vocab - 1] = float("nan")
+        x[2, vocab - 1] = float("inf")             # the maximum is an infinity, in the scalar tail
+    if rows >= 6:
+        x[3, :] = float("-inf")
+        x[4, 7] = float("-inf")                    # finite check sees a -inf that is not the maximum
+        x[5, vocab - 8] = x[5].max() + 1           # the maximum in the last whole vector
+    index, finite = kernels.logits_argmax(x)
+    ref_index, ref_finite = torch_ops.logits_argmax(x)
+    assert index.dtype == torch.int64 and finite.dtype == torch.bool
+    assert torch.equal(index, ref_index)
+    assert torch.equal(finite, ref_finite)
+    assert torch.equal(index, x.float().argmax(dim=-1))
+
+
+def test_logits_argmax_no_rows(ext):
+    index, finite = kernels.logits_argmax(torch.empty(0, 10))
+    assert index.shape == (0,) and finite.shape == (0,)
