@@ -25,6 +25,10 @@
 //     interleaved row pairs, P rounded to bf16). About 1.3x faster on a long prefill, but the rounding
 //     of P flips near-tied greedy choices of SmolLM2 that the float32 path keeps.
 // No [q_len x ctx] mask is built: masking is per chunk from each row's position.
+// While a unit (KEY_CHUNK keys of one KV head) computes, the K and V rows of the next unit (the next KV
+// head, the next chunk, or the first chunk of the item this thread most likely takes next) are
+// software-prefetched into L2: a sequence's blocks are scattered, so the hardware prefetchers meet a
+// new short stream at every block. Measured 1.17x on decode at 64 sequences x 159 tokens, bfloat16.
 //
 // Vector code uses GCC/Clang vector extensions so the same source builds for AVX2-only and AVX-512
 // CPUs; AVX-512 intrinsics (transposes, bf16 dot products) are compiled only when the compiler
@@ -408,7 +412,7 @@ struct Scratch {
 
 // One work item: rows of tile (w.seq, w.i0 .. w.i0 + w.tq) for KV heads w.kvh .. w.kvh + w.nh - 1.
 template <typename T, bool BF16DP>
-static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
+static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work* next_work) {
   const int D = a.head_dim, group = a.group, BS = a.block_size;
   const int M = w.tq * group;  // query rows per KV head
   const int MT = M * w.nh;     // rows of the work item (its KV heads one after the other)
@@ -445,6 +449,16 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
   const T* krow[KEY_CHUNK];
   const T* vrow[KEY_CHUNK];
   const float* vrowf[KEY_CHUNK];
+  const char* pf_k[KEY_CHUNK];  // rows of the next unit to prefetch (see below)
+  const char* pf_v[KEY_CHUNK];
+  int pf_n = 0;
+  const int row_lines = (int)((D * sizeof(T) + 63) / 64);  // cache lines of one K or V row
+  auto prefetch_row = [&](int n) {
+    for (int l = 0; l < row_lines; ++l) {
+      __builtin_prefetch(pf_k[n] + 64 * l, 0, 2);
+      __builtin_prefetch(pf_v[n] + 64 * l, 0, 2);
+    }
+  };
   const T* zero = reinterpret_cast<const T*>(kZeroRow);
   for (int hi = 0; hi < w.nh; ++hi)
     for (int i = 0; i < w.tq; ++i)
@@ -461,21 +475,38 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
   }
   std::memset(O_all, 0, sizeof(float) * (size_t)MT * D);
 
+  // offsets of the keys c0 .. c0 + nk - 1, block by block (no division per key)
+  auto key_offsets = [&](int c0, int nk, int64_t* off) {
+    int j = c0 / BS, o = c0 % BS;
+    for (int n = 0; n < nk;) {
+      const int64_t base_o = (int64_t)bt[j] * a.c_sb;
+      const int cnt = std::min(BS - o, nk - n);
+      for (int t = 0; t < cnt; ++t) off[n + t] = base_o + (int64_t)(o + t) * D;
+      n += cnt;
+      ++j;
+      o = 0;
+    }
+  };
+  int64_t koff_next[KEY_CHUNK];
+  key_offsets(0, std::min(KEY_CHUNK, nkeys), koff);
   for (int c0 = 0; c0 < nkeys; c0 += KEY_CHUNK) {
     const int nk = std::min(KEY_CHUNK, nkeys - c0);
     const int nv = (nk + VL - 1) / VL;          // vectors of keys (float32 path)
     const int nk16 = (nk + 15) & ~15;           // keys rounded up for 16-wide packing
-    {  // offsets of the chunk's keys, block by block (no division per key)
-      int j = c0 / BS, o = c0 % BS;
-      for (int n = 0; n < nk;) {
-        const int64_t base_o = (int64_t)bt[j] * a.c_sb;
-        const int cnt = std::min(BS - o, nk - n);
-        for (int t = 0; t < cnt; ++t) koff[n + t] = base_o + (int64_t)(o + t) * D;
-        n += cnt;
-        ++j;
-        o = 0;
-      }
+    int nk_next = std::min(KEY_CHUNK, nkeys - c0 - KEY_CHUNK);  // keys of the next chunk (<= 0: none)
+    int64_t next_head_off = (int64_t)w.kvh * a.c_sh;  // the KV head of the next chunk's first unit
+    if (nk_next > 0) {
+      key_offsets(c0 + KEY_CHUNK, nk_next, koff_next);
+    } else if (next_work != nullptr) {  // the last chunk: the next work item's first chunk instead
+      const Work& x = *next_work;
+      const int xq0 = a.qsl[x.seq], xqlen = a.qsl[x.seq + 1] - xq0;
+      const int xkeys = a.seq_lens[x.seq] - xqlen + x.i0 + x.tq;
+      nk_next = std::min(KEY_CHUNK, xkeys);
+      const int32_t* xbt = a.bt + (int64_t)x.seq * a.bt_st;
+      for (int n = 0; n < nk_next; ++n) koff_next[n] = (int64_t)xbt[n / BS] * a.c_sb + (int64_t)(n % BS) * D;
+      next_head_off = (int64_t)x.kvh * a.c_sh;
     }
+    const bool last_chunk = c0 + KEY_CHUNK >= nkeys;
     // the item's KV heads one after the other: their rows of a block are neighbours in memory
     for (int hi = 0; hi < w.nh; ++hi) {
       const int64_t hoff = (int64_t)(w.kvh + hi) * a.c_sh;
@@ -486,6 +517,21 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
         vrow[n] = vc + koff[n];
       }
       for (int n = nk; n < KEY_CHUNK; ++n) krow[n] = vrow[n] = zero;
+      // Software prefetch (into L2) of the next unit's K and V rows: the next KV head of this chunk,
+      // else the first head of the next chunk. A sequence's blocks are scattered, so the hardware
+      // prefetchers meet a new short stream at every block; this unit's compute hides the next one's reads.
+      {
+        const int64_t* noff = hi + 1 < w.nh ? koff : koff_next;
+        const int nn = hi + 1 < w.nh ? nk : nk_next;
+        const int64_t nh_off = hi + 1 < w.nh ? hoff + a.c_sh : next_head_off;
+        const char* nkc = reinterpret_cast<const char*>(static_cast<const T*>(a.kc) + nh_off);
+        const char* nvc = reinterpret_cast<const char*>(static_cast<const T*>(a.vc) + nh_off);
+        pf_n = nn;
+        for (int n = 0; n < nn; ++n) {
+          pf_k[n] = nkc + noff[n] * (int64_t)sizeof(T);
+          pf_v[n] = nvc + noff[n] * (int64_t)sizeof(T);
+        }
+      }
       const int r0 = hi * M;  // this head's rows
       const T* const* qrow = qrow_all + r0;
       float* O = O_all + (size_t)r0 * D;
@@ -571,6 +617,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
         uint16_t* Vp = reinterpret_cast<uint16_t*>(Vf);
         const int npairs = (nk + 1) / 2;
         pack_v_bf16(reinterpret_cast<const uint16_t* const*>(vrow), npairs, D, Vp);
+        for (int n = 0; n < pf_n; ++n) prefetch_row(n);
         const uint16_t* Pb = reinterpret_cast<const uint16_t*>(Pf);
         for (int m0 = 0; m0 < M; m0 += MR) {
           const int r = std::min(MR, M - m0);
@@ -583,12 +630,15 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
       {
         const float* const* vr;
         if constexpr (std::is_same<T, float>::value) {
+          for (int n = 0; n < pf_n; ++n) prefetch_row(n);
           vr = reinterpret_cast<const float* const*>(vrow);
         } else {
           for (int n = 0; n < nk; ++n) {
             for (int d = 0; d < D; d += VL) vstore(Vf + n * D + d, Cvt<T>::load(vrow[n] + d));
             vrowf[n] = Vf + n * D;
+            if (n < pf_n) prefetch_row(n);
           }
+          for (int n = nk; n < pf_n; ++n) prefetch_row(n);
           vr = vrowf;
         }
         for (int m0 = 0; m0 < M; m0 += MR) {
@@ -597,6 +647,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch) {
         }
       }
     }
+    if (!last_chunk) std::memcpy(koff, koff_next, sizeof(int64_t) * nk_next);
   }
 
   // 5: normalise and write out
@@ -623,7 +674,7 @@ static void run_all(const Args& a, const std::vector<Work>& works) {
   const int nthreads = std::min<int64_t>(omp_get_max_threads(), n);
   if (nthreads <= 1) {
     thread_local Scratch s;
-    for (const Work& w : works) run_tile<T, BF16DP>(a, w, s);
+    for (int64_t i = 0; i < n; ++i) run_tile<T, BF16DP>(a, works[i], s, i + 1 < n ? &works[i + 1] : nullptr);
     return;
   }
   // (no num_threads clause: changing the team size makes GOMP rebuild its pool; idle threads just pass)
@@ -631,7 +682,10 @@ static void run_all(const Args& a, const std::vector<Work>& works) {
   {
     thread_local Scratch s;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_tile<T, BF16DP>(a, works[i], s);
+    // the item this thread most likely takes next (dynamic schedule, items of similar cost): its first
+    // K/V rows are prefetched during this item's last unit (a wrong guess only costs the prefetches)
+    for (int64_t i = 0; i < n; ++i)
+      run_tile<T, BF16DP>(a, works[i], s, i + nthreads < n ? &works[i + nthreads] : nullptr);
   }
 }
 
