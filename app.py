@@ -211,6 +211,7 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
         import torch
 
         import kernels
+        from kernels.cpu_linear import F32_MIN_ROWS
         from kernels.cpu_ops import LOAD_INFO, unavailable_reason
 
         if kernels.cpp_available() and LOAD_INFO:
@@ -223,7 +224,9 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
         packed = getattr(runner, "num_prepacked_linears", 0)
         forward = "the engine's own forward" if getattr(runner, "own_forward", None) is not None else \
             "transformers' modules"
-        lines.append(f"kernels  {forward}; {attention}; {packed} linear layers on oneDNN-packed weights; "
+        f32 = getattr(runner, "num_float32_linears", 0)
+        f32_note = f" ({f32} of them in float32 from {F32_MIN_ROWS} rows)" if f32 else ""
+        lines.append(f"kernels  {forward}; {attention}; {packed} linear layers on oneDNN-packed weights{f32_note}; "
                      f"{torch.get_num_threads()} threads")
     else:
         lines.append("kernels  Triton paged attention")

@@ -148,9 +148,11 @@ class ModelRunner:
             register_attention()
             model.set_attn_implementation(ATTN_NAME)
         self.num_prepacked_linears = 0
+        self.num_float32_linears = 0  # bfloat16 linears that multiply many-row calls in float32
         if self.device.type == "cpu":
             if self.own_forward is not None:
                 self.num_prepacked_linears = self.own_forward.num_packed_linears
+                self.num_float32_linears = self.own_forward.num_float32_linears
             else:
                 # transformers' linear modules on oneDNN-prepacked weights where kernels.cpu_linear.packs
                 # says so (bfloat16 on CPUs with native bfloat16)

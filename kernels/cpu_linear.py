@@ -10,6 +10,16 @@ run different kernels): :func:`packs` says yes for bfloat16 weights on CPUs with
 input (:func:`packed_equal`). float32 results differ in the last bits (oneDNN's summation order differs
 from MKL's), so float32 stays on ``F.linear``; float16 packing needs AVX512-FP16 / AVX-NE-CONVERT.
 
+On CPUs whose bfloat16 matmul does not outrun float32 (:func:`bf16_matmul_outruns_f32` is False: Intel
+CPUs with AVX512-BF16 but no AMX, and CPUs without native bfloat16), :class:`Linear` also keeps a float32
+copy of a bfloat16 weight and multiplies calls of at least :data:`F32_MIN_ROWS` rows in float32 (MKL):
+measured on a 2-core Xeon with AVX512-BF16 and no AMX, SmolLM2's 121 linears of a step took 1.10x (64
+rows) to 1.29x (128 rows) less time that way, while below 32 rows the packed bfloat16 call, which reads
+half the bytes, was up to 2x faster (docs/performance.md). A product of two bfloat16 values is exact in
+float32 and both GEMMs accumulate in float32, so the float32 call is the same arithmetic in another
+summation order; its output is rounded to bfloat16. The copy costs 4 bytes per parameter;
+``CBP_CPU_F32_LINEARS=0`` turns it off.
+
 :func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
 replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
 transformers' modules). The packed tensor is an opaque oneDNN tensor: inference only (no autograd).
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 import torch
@@ -72,6 +83,47 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@functools.cache
+def _cpuinfo() -> tuple[str, str]:
+    """``(vendor_id, flags)`` of the first CPU in ``/proc/cpuinfo`` (empty strings off Linux)."""
+    vendor, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1]
+                if vendor and flags:
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+@functools.cache
+def bf16_matmul_outruns_f32() -> bool:
+    """Whether this CPU's bfloat16 matmul is faster than its float32 one at the engine's row counts,
+    decided from the CPU's flags and vendor (read once per process), never from a timing: AMX-BF16 (tile
+    matmuls: about 2,400 GFLOP/s measured on 2 cores against about 260 for float32), or AVX512-BF16 on an
+    AMD CPU (Zen 4 / 5: a bf16 matmul measured 318 GFLOP/s on 2 vCPUs, above their float32 FMA peak).
+    False on Intel CPUs with AVX512-BF16 but no AMX (there oneDNN's bf16 GEMM ran at 125-171 GFLOP/s
+    against MKL's float32 at 155-275, same shapes) and on CPUs without native bfloat16."""
+    vendor, flags = _cpuinfo()
+    words = set(flags.split())
+    return "amx_bf16" in words or ("avx512_bf16" in words and vendor == "AuthenticAMD")
+
+
+F32_MIN_ROWS = 48  # rows from which a bfloat16 Linear multiplies in float32 where bf16 matmuls are slow
+
+
+def f32_compute(weight: torch.Tensor) -> bool:
+    """The float32-compute rule of :class:`Linear`: a CPU bfloat16 weight on a CPU where
+    :func:`bf16_matmul_outruns_f32` is False, unless ``CBP_CPU_F32_LINEARS=0``."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not bf16_matmul_outruns_f32()
+            and os.environ.get("CBP_CPU_F32_LINEARS", "1") != "0")
+
+
 _EQUAL: dict[tuple, bool] = {}  # per process: (out, in, dtype, bias) -> packed_equal()
 
 
@@ -112,7 +164,8 @@ BATCH_INVARIANT_ROWS = 32  # the fixed row tile of batch-invariant linears (rows
 
 class Linear:
     """``y = x W^T + b`` for the engine's forward: prepacked for oneDNN where :func:`packs` says so,
-    else ``F.linear`` on the weight as given (no copy).
+    else ``F.linear`` on the weight as given (no copy); calls of at least :data:`F32_MIN_ROWS` rows in
+    float32 on a float32 copy of a bfloat16 weight where :func:`f32_compute` says so (``weight32``).
 
     Batch invariance (``row_tile``): a GEMM library picks its kernel and its summation order from the
     row count M (MKL's float32 ``M = 1`` is a GEMV; oneDNN's bfloat16 LM head changes order from
@@ -130,7 +183,7 @@ class Linear:
     Call with ``x`` ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]`` in the weight's dtype.
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "row_tile")
+    __slots__ = ("weight", "bias", "packed", "out_features", "row_tile", "weight32", "bias32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
         self.weight = weight.detach()
@@ -138,8 +191,15 @@ class Linear:
         self.out_features = weight.shape[0]
         self.packed = _pack(self.weight) if packs(self.weight, self.bias) else None
         self.row_tile = row_tile
+        # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring); a fixed row tile
+        # below that (batch-invariant mode) never uses them, so none are made
+        use32 = f32_compute(self.weight) and (row_tile is None or row_tile >= F32_MIN_ROWS)
+        self.weight32 = self.weight.float() if use32 else None
+        self.bias32 = None if (self.bias is None or not use32) else self.bias.float()
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight32 is not None and x.shape[0] >= F32_MIN_ROWS:
+            return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -402,3 +402,53 @@ def test_logits_argmax_matches_torch(ext, dtype, rows, vocab):
 def test_logits_argmax_no_rows(ext):
     index, finite = kernels.logits_argmax(torch.empty(0, 10))
     assert index.shape == (0,) and finite.shape == (0,)
+
+
+@pytest.mark.parametrize("vendor,flags,fast", [
+    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
+    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
+    ("AuthenticAMD", "avx2 fma", False),
+    ("", "", False),
+])
+def test_bf16_matmul_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, fast):
+    from kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_cpuinfo", lambda: (vendor, flags))
+    cpu_linear.bf16_matmul_outruns_f32.cache_clear()
+    try:
+        assert cpu_linear.bf16_matmul_outruns_f32() is fast
+        w = torch.zeros(4, 4, dtype=torch.bfloat16)
+        assert cpu_linear.f32_compute(w) is (not fast)
+        assert not cpu_linear.f32_compute(w.float())  # float32 weights are float32 already
+        monkeypatch.setenv("CBP_CPU_F32_LINEARS", "0")
+        assert not cpu_linear.f32_compute(w)
+    finally:
+        cpu_linear.bf16_matmul_outruns_f32.cache_clear()
+
+
+def test_linear_multiplies_many_rows_in_float32_where_bf16_matmuls_are_slow(monkeypatch):
+    """Where f32_compute holds, a bfloat16 Linear gives, bit for bit, F.linear in float32 rounded to
+    bfloat16 from F32_MIN_ROWS rows, and its bfloat16 call below; no float32 copy in a fixed row tile
+    below F32_MIN_ROWS (batch-invariant mode) or with CBP_CPU_F32_LINEARS=0."""
+    import torch.nn.functional as F
+
+    from kernels import cpu_linear
+    from kernels.cpu_linear import F32_MIN_ROWS, Linear
+
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+    for bias in (None, b):
+        lin = Linear(w, bias)
+        assert lin.weight32 is not None and lin.weight32.dtype == torch.float32
+        big = torch.randn(F32_MIN_ROWS + 3, 64, generator=g).bfloat16()
+        b32 = None if bias is None else bias.float()
+        assert torch.equal(lin(big), F.linear(big.float(), w.float(), b32).bfloat16())
+        small = big[: F32_MIN_ROWS - 1]
+        assert torch.equal(lin(small), F.linear(small, w, bias))
+    assert Linear(w, b, row_tile=32).weight32 is None
+    assert Linear(w, b, row_tile=64).weight32 is not None
+    monkeypatch.setenv("CBP_CPU_F32_LINEARS", "0")
+    assert Linear(w, b).weight32 is None

@@ -165,6 +165,13 @@ class LlamaForward:
         lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(lin.packed is not None for lin in [*lins, self.lm_head])
 
+    @property
+    def num_float32_linears(self) -> int:
+        """Linears that multiply calls of many rows in float32 on a float32 copy of their bfloat16 weight
+        (:func:`kernels.cpu_linear.f32_compute`)."""
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.weight32 is not None for lin in [*lins, self.lm_head])
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_rows: torch.Tensor
                  ) -> torch.Tensor:
