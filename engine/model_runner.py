@@ -281,5 +281,26 @@ def num_blocks_for(config: EngineConfig, model, device: torch.device, dtype: tor
             import psutil
 
             free = psutil.virtual_memory().available
+            free = max(0, free - float32_copy_bytes(config, model, device, dtype))
         budget = int(free * budget)
     return max(1, int(budget) // per_block)
+
+
+def float32_copy_bytes(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes that the engine's own forward will add on CPU for float32 copies of bfloat16 linear weights
+    (:func:`kernels.cpu_linear.f32_compute`: 4 bytes per parameter of the decoder layers' linears and the
+    LM head), so that a KV budget given as a fraction of free memory leaves room for them; 0 when no copy
+    will be made (another device or dtype, transformers' modules, batch-invariant row tiles below
+    :data:`kernels.cpu_linear.F32_MIN_ROWS`, or ``CBP_CPU_F32_LINEARS=0``)."""
+    from kernels.cpu_linear import BATCH_INVARIANT_ROWS, F32_MIN_ROWS, f32_compute
+
+    if device.type != "cpu" or dtype != torch.bfloat16 or config.forward != "auto":
+        return 0
+    if config.batch_invariant and BATCH_INVARIANT_ROWS < F32_MIN_ROWS:
+        return 0
+    if not f32_compute(torch.empty(0, dtype=dtype)):
+        return 0
+    params = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                 and (".layers." in f".{n}." or n == "lm_head"))
+    return 4 * params

@@ -452,3 +452,24 @@ def test_linear_multiplies_many_rows_in_float32_where_bf16_matmuls_are_slow(monk
     assert Linear(w, b, row_tile=64).weight32 is not None
     monkeypatch.setenv("CBP_CPU_F32_LINEARS", "0")
     assert Linear(w, b).weight32 is None
+
+
+def test_kv_budget_fraction_leaves_room_for_the_float32_copies(monkeypatch):
+    """A KV budget given as a fraction of free memory is taken after the float32 weight copies that the
+    engine's own forward will make (4 bytes per parameter of the layers' linears and the LM head)."""
+    from engine.config import EngineConfig
+    from engine.model_runner import float32_copy_bytes
+    from kernels import cpu_linear
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(vocab_size=100, seed=2).to(torch.bfloat16)
+    cpu = torch.device("cpu")
+    params = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and (".layers." in f".{n}." or n == "lm_head"))
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
+    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 4 * params > 0
+    assert float32_copy_bytes(EngineConfig(batch_invariant=True), model, cpu, torch.bfloat16) == 0
+    assert float32_copy_bytes(EngineConfig(forward="transformers"), model, cpu, torch.bfloat16) == 0
+    assert float32_copy_bytes(EngineConfig(), model.float(), cpu, torch.float32) == 0
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)
+    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 0
