@@ -169,13 +169,11 @@ def step_floor(model, num_rows: int, context: float, rates: dict) -> dict:
     FLOPs: 2 x rows x the weights of the decoder's linear layers and the LM head, plus attention's
     4 x rows x context x heads x head_dim per layer. KV bytes: every row reads its context's K and V in
     every layer."""
-    from engine.model_runner import kv_cache_shape
+    from engine.model_runner import kv_cache_shape, linear_parameters
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers, kvh, hd = kv_cache_shape(model.config)
-    linear = sum(m.weight.numel() for n, m in model.named_modules()
-                 if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
-                 and (".layers." in f".{n}" or n == "lm_head"))
+    linear = linear_parameters(model)
     elem = next(model.parameters()).element_size()
     flops = 2 * num_rows * linear + 4 * num_rows * context * cfg.num_attention_heads * hd * layers
     kv_bytes = num_rows * context * layers * kvh * hd * 2 * elem

@@ -290,17 +290,21 @@ def float32_copy_bytes(config: EngineConfig, model, device: torch.device, dtype:
     """Bytes that the engine's own forward will add on CPU for float32 copies of bfloat16 linear weights
     (:func:`kernels.cpu_linear.f32_compute`: 4 bytes per parameter of the decoder layers' linears and the
     LM head), so that a KV budget given as a fraction of free memory leaves room for them; 0 when no copy
-    will be made (another device or dtype, transformers' modules, batch-invariant row tiles below
-    :data:`kernels.cpu_linear.F32_MIN_ROWS`, or ``CBP_CPU_F32_LINEARS=0``)."""
-    from kernels.cpu_linear import BATCH_INVARIANT_ROWS, F32_MIN_ROWS, f32_compute
+    will be made (:func:`kernels.cpu_linear.makes_float32_copy` says no for this device, dtype and
+    mode, or transformers' modules run)."""
+    from kernels.cpu_linear import BATCH_INVARIANT_ROWS, makes_float32_copy
 
-    if device.type != "cpu" or dtype != torch.bfloat16 or config.forward != "auto":
+    if device.type != "cpu" or config.forward != "auto":
         return 0
-    if config.batch_invariant and BATCH_INVARIANT_ROWS < F32_MIN_ROWS:
+    row_tile = BATCH_INVARIANT_ROWS if config.batch_invariant else None
+    if not makes_float32_copy(torch.empty(0, dtype=dtype), row_tile):
         return 0
-    if not f32_compute(torch.empty(0, dtype=dtype)):
-        return 0
-    params = sum(m.weight.numel() for n, m in model.named_modules()
-                 if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-                 and (".layers." in f".{n}." or n == "lm_head"))
-    return 4 * params
+    return 4 * linear_parameters(model)
+
+
+def linear_parameters(model) -> int:
+    """Parameters of the linear weights the engine's forward multiplies: the decoder layers' 2-D weights
+    and the LM head (not the embedding)."""
+    return sum(m.weight.numel() for n, m in model.named_modules()
+               if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+               and (".layers." in f".{n}." or n == "lm_head"))

@@ -70,23 +70,11 @@ class PackedLinear(nn.Module):
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16; Linux CPU flags; read once
-    per process)."""
-    if sys.platform != "linux":
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-@functools.cache
 def _cpuinfo() -> tuple[str, str]:
     """``(vendor_id, flags)`` of the first CPU in ``/proc/cpuinfo`` (empty strings off Linux)."""
     vendor, flags = "", ""
+    if sys.platform != "linux":
+        return vendor, flags
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -99,6 +87,14 @@ def _cpuinfo() -> tuple[str, str]:
     except OSError:
         pass
     return vendor, flags
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX-BF16; Linux CPU flags; read once
+    per process)."""
+    words = set(_cpuinfo()[1].split())
+    return "avx512_bf16" in words or "amx_bf16" in words
 
 
 @functools.cache
@@ -122,6 +118,12 @@ def f32_compute(weight: torch.Tensor) -> bool:
     :func:`bf16_matmul_outruns_f32` is False, unless ``CBP_CPU_F32_LINEARS=0``."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not bf16_matmul_outruns_f32()
             and os.environ.get("CBP_CPU_F32_LINEARS", "1") != "0")
+
+
+def makes_float32_copy(weight: torch.Tensor, row_tile: int | None = None) -> bool:
+    """Whether :class:`Linear` keeps a float32 copy of ``weight``: :func:`f32_compute` holds and its calls
+    can reach :data:`F32_MIN_ROWS` rows (no fixed ``row_tile`` below that, as in batch-invariant mode)."""
+    return f32_compute(weight) and (row_tile is None or row_tile >= F32_MIN_ROWS)
 
 
 _EQUAL: dict[tuple, bool] = {}  # per process: (out, in, dtype, bias) -> packed_equal()
@@ -191,9 +193,8 @@ class Linear:
         self.out_features = weight.shape[0]
         self.packed = _pack(self.weight) if packs(self.weight, self.bias) else None
         self.row_tile = row_tile
-        # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring); a fixed row tile
-        # below that (batch-invariant mode) never uses them, so none are made
-        use32 = f32_compute(self.weight) and (row_tile is None or row_tile >= F32_MIN_ROWS)
+        # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring)
+        use32 = makes_float32_copy(self.weight, row_tile)
         self.weight32 = self.weight.float() if use32 else None
         self.bias32 = None if (self.bias is None or not use32) else self.bias.float()
 

@@ -159,18 +159,21 @@ class LlamaForward:
         half = head_dim // 2
         return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
+    def _linears(self) -> list[Linear]:
+        """Every linear of the forward: four per layer, then the LM head."""
+        return [*(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                self.lm_head]
+
     @property
     def num_packed_linears(self) -> int:
         """Linears on oneDNN-prepacked weights (four per layer and the LM head where packing applies)."""
-        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(lin.packed is not None for lin in [*lins, self.lm_head])
+        return sum(lin.packed is not None for lin in self._linears())
 
     @property
     def num_float32_linears(self) -> int:
         """Linears that multiply calls of many rows in float32 on a float32 copy of their bfloat16 weight
-        (:func:`kernels.cpu_linear.f32_compute`)."""
-        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(lin.weight32 is not None for lin in [*lins, self.lm_head])
+        (:func:`kernels.cpu_linear.makes_float32_copy`)."""
+        return sum(lin.weight32 is not None for lin in self._linears())
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_rows: torch.Tensor

@@ -24,11 +24,6 @@ namespace cbp {
 namespace {
 
 template <typename T>
-static inline float one(const T* p) {
-  return static_cast<float>(*p);
-}
-
-template <typename T>
 void argmax_row(const T* x, int64_t V, int64_t* index, bool* finite) {
   const vfloat ninf = vset1(-std::numeric_limits<float>::infinity());
   const vint expo = vint{} + 0x7f800000;
@@ -44,14 +39,14 @@ void argmax_row(const T* x, int64_t V, int64_t* index, bool* finite) {
   bool ok = true;
   for (int l = 0; l < VL; ++l) ok &= bad[l] == 0;
   for (int64_t j = i; j < V; ++j) {
-    const float v = one(x + j);
+    const float v = Cvt<T>::one(x[j]);
     ok &= std::isfinite(v);
     if (v > m) m = v;
   }
   *finite = ok;
   if (!ok) {  // a NaN wins (its first position); otherwise the maximum may be an infinity
     for (int64_t j = 0; j < V; ++j) {
-      if (std::isnan(one(x + j))) {
+      if (std::isnan(Cvt<T>::one(x[j]))) {
         *index = j;
         return;
       }
@@ -72,7 +67,7 @@ void argmax_row(const T* x, int64_t V, int64_t* index, bool* finite) {
     }
   }
   for (int64_t j = i; j < V; ++j) {
-    if (one(x + j) == m) {
+    if (Cvt<T>::one(x[j]) == m) {
       *index = j;
       return;
     }

@@ -475,11 +475,12 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
   }
   std::memset(O_all, 0, sizeof(float) * (size_t)MT * D);
 
-  // offsets of the keys c0 .. c0 + nk - 1, block by block (no division per key)
-  auto key_offsets = [&](int c0, int nk, int64_t* off) {
+  // offsets of the keys c0 .. c0 + nk - 1 of the sequence with block table tbl, block by block (no
+  // division per key)
+  auto key_offsets = [&](const int32_t* tbl, int c0, int nk, int64_t* off) {
     int j = c0 / BS, o = c0 % BS;
     for (int n = 0; n < nk;) {
-      const int64_t base_o = (int64_t)bt[j] * a.c_sb;
+      const int64_t base_o = (int64_t)tbl[j] * a.c_sb;
       const int cnt = std::min(BS - o, nk - n);
       for (int t = 0; t < cnt; ++t) off[n + t] = base_o + (int64_t)(o + t) * D;
       n += cnt;
@@ -488,7 +489,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
     }
   };
   int64_t koff_next[KEY_CHUNK];
-  key_offsets(0, std::min(KEY_CHUNK, nkeys), koff);
+  key_offsets(bt, 0, std::min(KEY_CHUNK, nkeys), koff);
   for (int c0 = 0; c0 < nkeys; c0 += KEY_CHUNK) {
     const int nk = std::min(KEY_CHUNK, nkeys - c0);
     const int nv = (nk + VL - 1) / VL;          // vectors of keys (float32 path)
@@ -496,14 +497,13 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
     int nk_next = std::min(KEY_CHUNK, nkeys - c0 - KEY_CHUNK);  // keys of the next chunk (<= 0: none)
     int64_t next_head_off = (int64_t)w.kvh * a.c_sh;  // the KV head of the next chunk's first unit
     if (nk_next > 0) {
-      key_offsets(c0 + KEY_CHUNK, nk_next, koff_next);
+      key_offsets(bt, c0 + KEY_CHUNK, nk_next, koff_next);
     } else if (next_work != nullptr) {  // the last chunk: the next work item's first chunk instead
       const Work& x = *next_work;
       const int xq0 = a.qsl[x.seq], xqlen = a.qsl[x.seq + 1] - xq0;
       const int xkeys = a.seq_lens[x.seq] - xqlen + x.i0 + x.tq;
       nk_next = std::min(KEY_CHUNK, xkeys);
-      const int32_t* xbt = a.bt + (int64_t)x.seq * a.bt_st;
-      for (int n = 0; n < nk_next; ++n) koff_next[n] = (int64_t)xbt[n / BS] * a.c_sb + (int64_t)(n % BS) * D;
+      key_offsets(a.bt + (int64_t)x.seq * a.bt_st, 0, nk_next, koff_next);
       next_head_off = (int64_t)x.kvh * a.c_sh;
     }
     const bool last_chunk = c0 + KEY_CHUNK >= nkeys;
