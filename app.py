@@ -226,8 +226,11 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
             "transformers' modules"
         f32 = getattr(runner, "num_float32_linears", 0)
         f32_note = f" ({f32} of them in float32 from {F32_MIN_ROWS} rows)" if f32 else ""
-        lines.append(f"kernels  {forward}; {attention}; {packed} linear layers on oneDNN-packed weights{f32_note}; "
-                     f"{torch.get_num_threads()} threads")
+        own = getattr(runner, "num_own_gemm_linears", 0)
+        linears = f"{packed} linear layers on oneDNN-packed weights{f32_note}"
+        if own:
+            linears = f"{own} linear layers on the engine's own bfloat16 GEMM" + (f", {linears}" if packed else "")
+        lines.append(f"kernels  {forward}; {attention}; {linears}; {torch.get_num_threads()} threads")
     else:
         lines.append("kernels  Triton paged attention")
     if notice:

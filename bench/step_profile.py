@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.prompts import chat_prompts
 from engine.request import SamplingParams
+from kernels.cpu_linear import Linear
 
 
 def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int = 150, steps: int = 5,
@@ -77,6 +78,7 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         (core, "_record", "telemetry"),
         (kernels, "paged_attention", "attention (paged_attention)"),
         (kernels, "reshape_and_cache", "attention (cache write)"),
+        (Linear, "__call__", "linear layers (own forward)"),
     ]
     originals = [(obj, name, wrap(obj, name, part)) for obj, name, part in targets]
     clock = engine_forward_clock(core)
@@ -87,8 +89,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     total = time.perf_counter() - t
     _, f1 = clock.read()
     for obj, name, fn in originals:
-        if obj is kernels:
-            setattr(obj, name, fn)  # a module function: put the original back
+        if obj is kernels or isinstance(obj, type):
+            setattr(obj, name, fn)  # a module function or a class's method: put the original back
         elif name in vars(obj):
             delattr(obj, name)  # an instance attribute shadowing the method: remove it
     fwd = f1 - f0
@@ -97,8 +99,10 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     if detok in acc and "update_from_output" in acc:  # called from inside the scheduler's update: not twice
         acc["update_from_output"] -= acc[detok]
     parts = {k: 1000 * v / steps for k, v in acc.items()}
-    parts["forward: linear layers, norms, RoPE, lm_head"] = 1000 * (fwd - attn) / steps
-    outside = sum(v for k, v in acc.items() if not k.startswith("attention"))
+    lin = acc.get("linear layers (own forward)", 0.0)
+    parts["forward: norms, RoPE, SiLU, embedding" if lin else "forward: linear layers, norms, RoPE, lm_head"] = \
+        1000 * (fwd - attn - lin) / steps
+    outside = sum(v for k, v in acc.items() if not k.startswith(("attention", "linear")))
     parts["other (step glue)"] = 1000 * (total - fwd - outside) / steps
     table = None
     if torch_profile:

@@ -149,9 +149,11 @@ class ModelRunner:
             model.set_attn_implementation(ATTN_NAME)
         self.num_prepacked_linears = 0
         self.num_float32_linears = 0  # bfloat16 linears that multiply many-row calls in float32
+        self.num_own_gemm_linears = 0  # bfloat16 linears on the engine's own GEMM
         if self.device.type == "cpu":
             if self.own_forward is not None:
                 self.num_prepacked_linears = self.own_forward.num_packed_linears
+                self.num_own_gemm_linears = self.own_forward.num_own_gemm_linears
                 self.num_float32_linears = self.own_forward.num_float32_linears
             else:
                 # transformers' linear modules on oneDNN-prepacked weights where kernels.cpu_linear.packs

@@ -33,7 +33,8 @@ import torch
 from kernels import torch_ops
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp"]  # all include cpu_vec.h
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp",
+            _CSRC / "gemm_bf16_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -295,6 +296,36 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if not _rows_ok(x, out):
         return torch_ops.silu_and_mul(x, out=out)
     load().silu_and_mul(out, x)
+    return out
+
+
+def gemm_bf16_available() -> bool:
+    """Whether the extension loads and has the AVX-512 ``gemm_bf16`` (False off AVX-512 CPUs)."""
+    return available() and bool(load().gemm_bf16_available())
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a bfloat16 weight packed by :func:`kernels.cpu_linear.pack_gemm_weight`:
+    float32 FMAs on weights widened in registers, one accumulator per output in k order (so a row's
+    result never depends on the other rows: see ``kernels/csrc/gemm_bf16_cpu.cpp``). Bit-identical to
+    :func:`kernels.torch_ops.gemm_bf16`.
+
+    Args:
+        x: ``[M, K]`` bfloat16 (a copy is made if its rows are not contiguous); packed: ``[N/16, K/2, 16, 2]``
+            bfloat16; bias: ``[N]`` bfloat16 or None.
+
+    Returns:
+        ``[M, N]`` bfloat16.
+
+    Raises:
+        RuntimeError: on shapes or dtypes that do not match, or where :func:`gemm_bf16_available` is False.
+    """
+    out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.bfloat16)
+    if x.shape[0] == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias)
     return out
 
 

@@ -226,3 +226,24 @@ def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = logits.float()
     return x.argmax(dim=-1), torch.isfinite(x).all(dim=-1)
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` in the exact arithmetic of the C++ ``gemm_bf16`` (the reference of that op):
+    one float32 accumulator per output, k = 0, 1, .. K-1 in order, then the bias, then one rounding to
+    bfloat16. A product of two bfloat16 values is exact in float32, so ``acc + x[:, k] * w[:, k]``
+    rounds once per step, as an FMA does. One Python step per k: for tests, not for speed.
+
+    Args:
+        x: ``[M, K]`` bfloat16; weight: ``[N, K]`` bfloat16; bias: ``[N]`` bfloat16 or None.
+
+    Returns:
+        ``[M, N]`` bfloat16.
+    """
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k : k + 1] * wf[None, :, k]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(torch.bfloat16)

@@ -45,10 +45,11 @@ def test_eight_tabs_of_one_browser_stream_at_once_with_live_panels(tiny_model, t
     # so the replies overlap however slowly a loaded machine sends the 8 messages
     core.input_processor.eos_token_ids = frozenset()
     engine = AsyncEngine(core)
-    # the tiny model steps in a millisecond: at 0.08 s a step, a 256-token reply lasts >= 20 s, longer than a
-    # loaded machine takes to send the 8 messages (31 s measured with 3 CPU hogs on 2 cores, where the steps
-    # themselves slow down far more)
-    engine.set_min_step_time(0.08)
+    # the tiny model steps in a millisecond: at 0.25 s a step, a 256-token reply lasts >= 64 s, longer than a
+    # loaded machine takes to send the 8 messages (31 s measured with 3 CPU hogs on 2 cores; 42 s once inside
+    # a whole test run, where 0.08 s steps made the first reply end before the last one started). The tabs
+    # are closed once checked, so longer replies do not lengthen the test
+    engine.set_min_step_time(0.25)
     demo = build_app(engine, refresh_s=0.2)
     url = serve(demo)
     try:
@@ -92,7 +93,7 @@ def test_eight_tabs_of_one_browser_stream_at_once_with_live_panels(tiny_model, t
             assert all(len(g) >= 3 for g in grew.values()), {i: len(g) for i, g in grew.items()}
             # one pass reads the tabs one after the other (a background tab's timers fire about once a second), so
             # a tab read early in the pass can lack growth that comes after a later tab's first growth: judge the
-            # overlap from a pass a few seconds on, when every reply that started still grows (each lasts >= 20 s)
+            # overlap from a pass a few seconds on, when every reply that started still grows (each lasts >= 64 s)
             for _ in range(10):
                 sample_chats()
                 time.sleep(0.3)

@@ -1,5 +1,5 @@
 """The fused C++ CPU kernels (``kernels.cpu_ops``) against the torch reference, the dispatch and its
-fallback, and the prepacked oneDNN linear layers (``kernels.cpu_linear``).
+fallback, and the logits pass; the linear layers (``kernels.cpu_linear``) are in tests/test_cpu_linear.py.
 
 The extension is compiled on first use (about a minute once, then loaded from the build cache). Without
 a C++ compiler the kernel tests skip; with one, a build failure fails them (so a broken source cannot
@@ -294,86 +294,6 @@ def test_missing_compiler_is_reported(restore_dispatch):
     assert "no-such-compiler-cbp" in cpu_ops.unavailable_reason()
 
 
-# ------------------------------------------------------------------------------------------------
-# prepacked oneDNN linear layers
-# ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prepack_linears_gives_equal_logits(dtype):
-    """Packing only happens where results are bit-identical, so logits stay equal."""
-    import copy
-
-    from kernels import cpu_linear
-    from tests.conftest import make_tiny_model
-
-    if not cpu_linear.available():
-        pytest.skip("torch without oneDNN (mkldnn)")
-    base = make_tiny_model(vocab_size=300, seed=1).to(dtype)
-    packed = copy.deepcopy(base)
-    n = cpu_linear.prepack_linears(packed)
-    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(_seed()))
-    with torch.no_grad():
-        want = base(ids).logits
-        got = packed(ids).logits
-    assert torch.equal(got, want)
-    replaced = [m for m in packed.modules() if isinstance(m, cpu_linear.PackedLinear)]
-    assert len(replaced) == n
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and n == 0:
-        pytest.skip("no bfloat16 shape packs bit-identically on this CPU")
-    if n:  # the replaced modules are the decoder layers' projections (and lm_head)
-        names = {name for name, m in packed.named_modules() if isinstance(m, cpu_linear.PackedLinear)}
-        assert all(".layers." in name or name == "lm_head" for name in names), names
-        # generation through transformers still works on the packed model
-        with torch.no_grad():
-            out = packed.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=3, do_sample=False)
-        assert out.shape == (1, 20)
-
-
-def test_prepack_linears_skips_unequal_shapes(monkeypatch):
-    from kernels import cpu_linear
-    from tests.conftest import make_tiny_model
-
-    model = make_tiny_model(vocab_size=100, seed=2).to(torch.bfloat16)
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
-    monkeypatch.setattr(cpu_linear, "packed_equal", lambda weight, bias=None: False)
-    assert cpu_linear.prepack_linears(model) == 0
-    assert not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
-
-
-def test_packing_is_decided_by_features_and_dtype_not_timings(monkeypatch):
-    """The rule: a bfloat16 weight on a CPU with native bfloat16, whose packed call is bit-identical;
-    never a float32 weight, never without native bfloat16; and the same answer on every call."""
-    from kernels import cpu_linear
-
-    if not cpu_linear.available():
-        pytest.skip("torch without oneDNN (mkldnn)")
-    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(cpu_linear, "packed_equal", lambda weight, bias=None: True)
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
-    assert cpu_linear.packs(w.bfloat16()) and not cpu_linear.packs(w)
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
-    assert not cpu_linear.packs(w.bfloat16())
-    assert "time" not in cpu_linear.__dict__  # no timing module in the decision path
-
-
-def test_engine_linear_matches_f_linear():
-    """kernels.cpu_linear.Linear (what the engine's own forward calls) equals F.linear bit for bit,
-    packed or not, with and without bias."""
-    import torch.nn.functional as F
-
-    from kernels.cpu_linear import Linear
-
-    g = torch.Generator().manual_seed(4)
-    for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(40, 64, generator=g).to(dtype)
-        b = torch.randn(40, generator=g).to(dtype)
-        x = torch.randn(7, 64, generator=g).to(dtype)
-        for bias in (None, b):
-            assert torch.equal(Linear(w, bias)(x), F.linear(x, w, bias))
-
-
-# ------------------------------------------------------------------------------------------------
-# the logits pass of the sampler and the fault check
-# ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows,vocab", [(64, 49152), (3, 17), (1, 1), (6, 1003), (2, 15)])
 def test_logits_argmax_matches_torch(ext, dtype, rows, vocab):
@@ -402,74 +322,3 @@ def test_logits_argmax_matches_torch(ext, dtype, rows, vocab):
 def test_logits_argmax_no_rows(ext):
     index, finite = kernels.logits_argmax(torch.empty(0, 10))
     assert index.shape == (0,) and finite.shape == (0,)
-
-
-@pytest.mark.parametrize("vendor,flags,fast", [
-    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
-    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
-    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
-    ("AuthenticAMD", "avx2 fma", False),
-    ("", "", False),
-])
-def test_bf16_matmul_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, fast):
-    from kernels import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "_cpuinfo", lambda: (vendor, flags))
-    cpu_linear.bf16_matmul_outruns_f32.cache_clear()
-    try:
-        assert cpu_linear.bf16_matmul_outruns_f32() is fast
-        w = torch.zeros(4, 4, dtype=torch.bfloat16)
-        assert cpu_linear.f32_compute(w) is (not fast)
-        assert not cpu_linear.f32_compute(w.float())  # float32 weights are float32 already
-        monkeypatch.setenv("CBP_CPU_F32_LINEARS", "0")
-        assert not cpu_linear.f32_compute(w)
-    finally:
-        cpu_linear.bf16_matmul_outruns_f32.cache_clear()
-
-
-def test_linear_multiplies_many_rows_in_float32_where_bf16_matmuls_are_slow(monkeypatch):
-    """Where f32_compute holds, a bfloat16 Linear gives, bit for bit, F.linear in float32 rounded to
-    bfloat16 from F32_MIN_ROWS rows, and its bfloat16 call below; no float32 copy in a fixed row tile
-    below F32_MIN_ROWS (batch-invariant mode) or with CBP_CPU_F32_LINEARS=0."""
-    import torch.nn.functional as F
-
-    from kernels import cpu_linear
-    from kernels.cpu_linear import F32_MIN_ROWS, Linear
-
-    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(40, 64, generator=g).bfloat16()
-    b = torch.randn(40, generator=g).bfloat16()
-    for bias in (None, b):
-        lin = Linear(w, bias)
-        assert lin.weight32 is not None and lin.weight32.dtype == torch.float32
-        big = torch.randn(F32_MIN_ROWS + 3, 64, generator=g).bfloat16()
-        b32 = None if bias is None else bias.float()
-        assert torch.equal(lin(big), F.linear(big.float(), w.float(), b32).bfloat16())
-        small = big[: F32_MIN_ROWS - 1]
-        assert torch.equal(lin(small), F.linear(small, w, bias))
-    assert Linear(w, b, row_tile=32).weight32 is None
-    assert Linear(w, b, row_tile=64).weight32 is not None
-    monkeypatch.setenv("CBP_CPU_F32_LINEARS", "0")
-    assert Linear(w, b).weight32 is None
-
-
-def test_kv_budget_fraction_leaves_room_for_the_float32_copies(monkeypatch):
-    """A KV budget given as a fraction of free memory is taken after the float32 weight copies that the
-    engine's own forward will make (4 bytes per parameter of the layers' linears and the LM head)."""
-    from engine.config import EngineConfig
-    from engine.model_runner import float32_copy_bytes
-    from kernels import cpu_linear
-    from tests.conftest import make_tiny_model
-
-    model = make_tiny_model(vocab_size=100, seed=2).to(torch.bfloat16)
-    cpu = torch.device("cpu")
-    params = sum(m.weight.numel() for n, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and (".layers." in f".{n}." or n == "lm_head"))
-    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
-    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 4 * params > 0
-    assert float32_copy_bytes(EngineConfig(batch_invariant=True), model, cpu, torch.bfloat16) == 0
-    assert float32_copy_bytes(EngineConfig(forward="transformers"), model, cpu, torch.bfloat16) == 0
-    assert float32_copy_bytes(EngineConfig(), model.float(), cpu, torch.float32) == 0
-    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)
-    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 0

@@ -170,6 +170,11 @@ class LlamaForward:
         return sum(lin.packed is not None for lin in self._linears())
 
     @property
+    def num_own_gemm_linears(self) -> int:
+        """Linears on the engine's own bfloat16 GEMM (:func:`kernels.cpu_linear.uses_own_gemm`)."""
+        return sum(lin.gemm is not None for lin in self._linears())
+
+    @property
     def num_float32_linears(self) -> int:
         """Linears that multiply calls of many rows in float32 on a float32 copy of their bfloat16 weight
         (:func:`kernels.cpu_linear.makes_float32_copy`)."""

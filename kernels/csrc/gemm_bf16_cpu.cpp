@@ -1,0 +1,217 @@
+// A GEMM for the bfloat16 linears of the engine's CPU forward, on AVX-512 float32 FMAs:
+//
+//   gemm_bf16(out, x, packed, bias)   out[m, n] = bf16( sum_k x[m, k] * W[n, k]  (+ bias[n]) )
+//
+//   x       [M, K]  bfloat16, rows contiguous (any row stride), K even
+//   packed  [N / 16, K / 2, 16, 2] bfloat16: W [N, K] in blocks of 16 output columns; a block holds, for
+//           p = 0 .. K/2 - 1, the pairs (W[n, 2p], W[n, 2p + 1]) of its 16 columns, so one 64-byte load
+//           brings 2 values of k for 16 columns (kernels/cpu_linear.py `pack_gemm_weight` builds it)
+//   bias    [N] bfloat16, or an empty tensor
+//   out     [M, N]  bfloat16, rows contiguous (any row stride)
+//
+// Why: on a 2-core Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bfloat16 GEMM ran SmolLM2's linears
+// at 105-160 GFLOP/s and MKL's float32 GEMM (on float32 copies) at 60-187, lowest at the 8-32 rows a
+// decode step mostly has. There, VDPBF16PS retires about 1.3 G instructions/s per core (86 GFLOP/s) while
+// float32 FMAs retire 5.5 G/s (177 GFLOP/s), so the fast way to multiply bfloat16 weights is to widen them
+// to float32 in registers (a bfloat16 is the upper half of a float32: one shift or one mask) and use FMAs,
+// reading 2 bytes per weight from memory. Measured: 180-235 GFLOP/s at 8-64 rows (docs/performance.md).
+//
+// Arithmetic: the products of two bfloat16 values are exact in float32; every output keeps one float32
+// accumulator that runs over k = 0, 1, .. K-1 in this order (one FMA each), whatever the row count M, the
+// row's place in its tile, the thread count or the split of the columns among threads. A row's result
+// therefore depends on its own values only: the GEMM is batch invariant by construction. The bias is
+// added once at the end, then the sum is rounded to bfloat16 (nearest even, as torch's conversion).
+//
+// Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for
+// Rapidly Instantiating BLAS Functionality", ACM TOMS 2015): a micro-tile is MR <= 6 rows x NR <= 3
+// column blocks, 18 zmm accumulators; per pair of k it loads NR weight vectors, widens each into an even
+// and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call). The
+// columns are split among torch's threads in contiguous ranges of blocks; each thread walks its range 3
+// blocks at a time and, for each group, all row tiles of a panel of kPanelRows rows, so the group's
+// weights (96 * K bytes) stay in L2 while the panel's rows pass over them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CBP_GEMM_AVX512 1
+#else
+#define CBP_GEMM_AVX512 0
+#endif
+
+namespace cbp {
+
+namespace {
+
+#if CBP_GEMM_AVX512
+
+constexpr int kMaxRows = 6;        // MR: rows of a micro-tile
+constexpr int kMaxBlocks = 3;      // NR: 16-column blocks of a micro-tile
+constexpr int64_t kPanelRows = 192;  // rows of x that pass over one group of weights before the next group
+
+// float32 -> bfloat16, round to nearest even, NaN -> quiet NaN (the rule of c10::BFloat16's conversion)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// One micro-tile: MR rows of x (float32, row stride xs) against NR column blocks of the packed weight
+// (block stride bs elements); writes MR x (16 * NR) outputs (row stride os).
+template <int MR, int NR>
+inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs, int64_t K2,
+                       const float* bias, uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t p = 0; p < K2; ++p) {
+    // bring the next group's weights towards L2 while this one computes: the same line of each of its
+    // blocks that this step reads of ours, so the whole group arrives during one pass over k
+    for (int j = 0; j < next_blocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * bs + p * 32), _MM_HINT_T1);
+    __m512 even[NR], odd[NR];
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) {
+      const __m512i pairs = _mm512_loadu_si512(w + j * bs + p * 32);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));  // W[n, 2p]
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));   // W[n, 2p + 1]
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_set1_ps(x[i * xs + 2 * p]);
+      const __m512 xo = _mm512_set1_ps(x[i * xs + 2 * p + 1]);
+#pragma GCC unroll 3
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(even[j], xe, acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(odd[j], xo, acc[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 3
+    for (int j = 0; j < NR; ++j) {
+      __m512 v = acc[i][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * os + 16 * j), to_bf16(v));
+    }
+  }
+}
+
+// All row tiles of M rows against one group of NR blocks; the first tile also prefetches the next group
+// (next_blocks blocks at next; 0 for none).
+template <int NR>
+void row_tiles(const float* x, int64_t xs, int64_t M, const uint16_t* w, int64_t bs, int64_t K2,
+               const float* bias, uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= M; m += kMaxRows) {
+    micro_tile<kMaxRows, NR>(x + m * xs, xs, w, bs, K2, bias, out + m * os, os, next, next_blocks);
+    next_blocks = 0;
+  }
+  const float* xr = x + m * xs;
+  uint16_t* o = out + m * os;
+  switch (M - m) {
+    case 1: micro_tile<1, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    case 2: micro_tile<2, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    case 3: micro_tile<3, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    case 4: micro_tile<4, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    case 5: micro_tile<5, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    default: break;
+  }
+}
+
+// x [M, K] bfloat16 (row stride xs) -> x32 [M, K] float32, contiguous: exact (a bfloat16 is the upper
+// half of a float32)
+void widen_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t K, float* x32) {
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* src = x + r * xs;
+      float* dst = x32 + r * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+        _mm512_storeu_ps(dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+      }
+      for (; k < K; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+        std::memcpy(dst + k, &bits, sizeof(bits));
+      }
+    }
+  });
+}
+
+void gemm_impl(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
+               uint16_t* out, int64_t os) {
+  const int64_t K2 = K / 2, bs = K * 16;  // elements per 16-column block
+  at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, M - m0);
+      const float* xp = x + m0 * K;
+      uint16_t* op = out + m0 * os;
+      for (int64_t b0 = first; b0 < last; b0 += kMaxBlocks) {
+        const int nr = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - b0));
+        const uint16_t* wg = w + b0 * bs;
+        const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
+        uint16_t* og = op + 16 * b0;
+        // the next group of this thread (in the next panel, the first group again: it was read long ago)
+        const int64_t nb0 = b0 + kMaxBlocks < last ? b0 + kMaxBlocks : (m0 + kPanelRows < M ? first : last);
+        const int nnext = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - nb0));
+        const uint16_t* next = w + nb0 * bs;
+        switch (nr) {
+          case 3: row_tiles<3>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          case 2: row_tiles<2>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          default: row_tiles<1>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+        }
+      }
+    }
+  });
+}
+
+#endif  // CBP_GEMM_AVX512
+
+}  // namespace
+
+bool gemm_bf16_available() { return CBP_GEMM_AVX512 != 0; }
+
+void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(gemm_bf16_available(), "gemm_bf16: this build has no AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.device().is_cpu(),
+              "gemm_bf16: x must be a CPU bfloat16 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(2) == 16 && packed.size(3) == 2, "gemm_bf16: packed must be [N/16, K/2, 16, 2] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
+  TORCH_CHECK(packed.size(1) * 2 == K, "gemm_bf16: x has ", K, " columns, packed expects ", packed.size(1) * 2);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == M &&
+              out.size(1) == N, "gemm_bf16: out must be bfloat16 [M, ", N, "] with contiguous rows");
+  torch::Tensor bias32;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == N, "gemm_bf16: bias must have ", N, " values");
+    bias32 = bias.to(at::kFloat).contiguous();
+  }
+  if (M == 0 || N == 0) return;
+#if CBP_GEMM_AVX512
+  const torch::Tensor x32 = torch::empty({M, K}, x.options().dtype(at::kFloat));  // x widened once
+  widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, x32.data_ptr<float>());
+  gemm_impl(x32.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), NB,
+            bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0));
+#endif
+}
+
+void register_gemm_ops(pybind11::module& m) {
+  m.def("gemm_bf16", &gemm_bf16, "out = x W^T (+ bias): bfloat16 weights, float32 FMAs, AVX-512 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_bf16_available", &gemm_bf16_available, "whether gemm_bf16 was compiled (AVX-512)");
+}
+
+}  // namespace cbp
