@@ -290,23 +290,29 @@ def num_blocks_for(config: EngineConfig, model, device: torch.device, dtype: tor
 
 def float32_copy_bytes(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
     """Bytes that the engine's own forward will add on CPU for float32 copies of bfloat16 linear weights
-    (:func:`kernels.cpu_linear.f32_compute`: 4 bytes per parameter of the decoder layers' linears and the
-    LM head), so that a KV budget given as a fraction of free memory leaves room for them; 0 when no copy
-    will be made (:func:`kernels.cpu_linear.makes_float32_copy` says no for this device, dtype and
-    mode, or transformers' modules run)."""
+    (:func:`kernels.cpu_linear.makes_float32_copy`: 4 bytes per parameter of each decoder-layer linear and
+    the LM head that gets one), so that a KV budget given as a fraction of free memory leaves room for
+    them; 0 when no copy will be made (another device or dtype, transformers' modules, batch-invariant
+    row tiles, or the own GEMM taking the weights)."""
     from kernels.cpu_linear import BATCH_INVARIANT_ROWS, makes_float32_copy
 
-    if device.type != "cpu" or config.forward != "auto":
+    if device.type != "cpu" or config.forward != "auto" or dtype != torch.bfloat16:
         return 0
     row_tile = BATCH_INVARIANT_ROWS if config.batch_invariant else None
-    if not makes_float32_copy(torch.empty(0, dtype=dtype), row_tile):
-        return 0
-    return 4 * linear_parameters(model)
+    one = torch.empty((), dtype=dtype)  # expanded to each weight's shape: the rule reads dtype and shape only
+    return sum(4 * w.numel() for w in linear_weights(model) if makes_float32_copy(one.expand(w.shape), row_tile))
+
+
+def linear_weights(model) -> list[torch.Tensor]:
+    """The linear weights the engine's forward multiplies: the decoder layers' 2-D weights and the LM
+    head (not the embedding)."""
+    return [m.weight for n, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+            and (".layers." in f".{n}." or n == "lm_head")]
 
 
 def linear_parameters(model) -> int:
-    """Parameters of the linear weights the engine's forward multiplies: the decoder layers' 2-D weights
-    and the LM head (not the embedding)."""
-    return sum(m.weight.numel() for n, m in model.named_modules()
-               if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-               and (".layers." in f".{n}." or n == "lm_head"))
+    """Parameters of :func:`linear_weights` (the bench's floor counts the step's FLOPs from them)."""
+    return sum(w.numel() for w in linear_weights(model))
+
+

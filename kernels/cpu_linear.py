@@ -162,8 +162,8 @@ def f32_compute(weight: torch.Tensor) -> bool:
 def makes_float32_copy(weight: torch.Tensor, row_tile: int | None = None) -> bool:
     """Whether :class:`Linear` keeps a float32 copy of ``weight``: :func:`f32_compute` holds and its calls
     can reach :data:`F32_MIN_ROWS` rows (no fixed ``row_tile`` below that, as in batch-invariant mode), and
-    the own GEMM does not take its place (:func:`own_gemm_cpu`)."""
-    return f32_compute(weight) and (row_tile is None or row_tile >= F32_MIN_ROWS) and not own_gemm_cpu()
+    the own GEMM does not take this weight (:func:`uses_own_gemm`)."""
+    return f32_compute(weight) and (row_tile is None or row_tile >= F32_MIN_ROWS) and not uses_own_gemm(weight)
 
 
 _EQUAL: dict[tuple, bool] = {}  # per process: (out, in, dtype, bias) -> packed_equal()

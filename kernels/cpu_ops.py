@@ -308,11 +308,11 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     """``x W^T (+ bias)`` for a bfloat16 weight packed by :func:`kernels.cpu_linear.pack_gemm_weight`:
     float32 FMAs on weights widened in registers, one accumulator per output in k order (so a row's
     result never depends on the other rows: see ``kernels/csrc/gemm_bf16_cpu.cpp``). Bit-identical to
-    :func:`kernels.torch_ops.gemm_bf16`.
+    :func:`kernels.torch_ops.gemm_bf16` (except the bits of a NaN).
 
     Args:
         x: ``[M, K]`` bfloat16 (a copy is made if its rows are not contiguous); packed: ``[N/16, K/2, 16, 2]``
-            bfloat16; bias: ``[N]`` bfloat16 or None.
+            bfloat16; bias: ``[N]`` (bfloat16 or float32) or None.
 
     Returns:
         ``[M, N]`` bfloat16.
@@ -320,10 +320,12 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     Raises:
         RuntimeError: on shapes or dtypes that do not match, or where :func:`gemm_bf16_available` is False.
     """
+    if packed.dim() != 4:
+        raise RuntimeError("gemm_bf16: packed must be [N/16, K/2, 16, 2] bfloat16")
     out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.bfloat16)
-    if x.shape[0] == 0:
-        return out
-    if x.stride(-1) != 1:
+    if x.dim() == 2 and x.shape[0] == 0:
+        x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run
+    elif x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias)
     return out

@@ -229,10 +229,13 @@ def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T (+ bias)`` in the exact arithmetic of the C++ ``gemm_bf16`` (the reference of that op):
-    one float32 accumulator per output, k = 0, 1, .. K-1 in order, then the bias, then one rounding to
-    bfloat16. A product of two bfloat16 values is exact in float32, so ``acc + x[:, k] * w[:, k]``
-    rounds once per step, as an FMA does. One Python step per k: for tests, not for speed.
+    """``x W^T (+ bias)`` in the arithmetic of the C++ ``gemm_bf16`` (the reference of that op): one
+    float32 accumulator per output, k = 0, 1, .. K-1 in order, one FMA each (the product is not rounded;
+    emulated by a float64 sum, where a product of two bfloat16 values is exact, rounded to float32), then
+    the bias, then one rounding to bfloat16. The float64 emulation of a fused multiply-add equals it
+    unless the accumulator and the product lie more than 29 binades apart and the sum sits on a float32
+    rounding midpoint (double rounding): never in the tests' data. NaN bits are not compared (the kernel
+    writes the canonical 0x7fc0). One Python step per k: for tests, not for speed.
 
     Args:
         x: ``[M, K]`` bfloat16; weight: ``[N, K]`` bfloat16; bias: ``[N]`` bfloat16 or None.
@@ -240,10 +243,10 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     Returns:
         ``[M, N]`` bfloat16.
     """
-    xf, wf = x.float(), weight.float()
+    xd, wd = x.double(), weight.double()
     acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
     for k in range(x.shape[1]):
-        acc = acc + xf[:, k : k + 1] * wf[None, :, k]
+        acc = (acc.double() + xd[:, k : k + 1] * wd[None, :, k]).float()
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(torch.bfloat16)

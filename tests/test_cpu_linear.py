@@ -167,7 +167,8 @@ def test_kv_budget_fraction_leaves_room_for_the_float32_copies(monkeypatch):
     assert float32_copy_bytes(EngineConfig(forward="transformers"), model, cpu, torch.bfloat16) == 0
     assert float32_copy_bytes(EngineConfig(), model.float(), cpu, torch.float32) == 0
     monkeypatch.setattr(cpu_linear, "own_gemm_cpu", lambda: True)  # the own GEMM needs no float32 copy
-    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 0
+    # ... except for the LM head: 100 columns are not a multiple of 16, so it keeps the float32 path
+    assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 4 * model.lm_head.weight.numel()
     monkeypatch.setattr(cpu_linear, "own_gemm_cpu", lambda: False)
     monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)
     assert float32_copy_bytes(EngineConfig(), model, cpu, torch.bfloat16) == 0
@@ -260,7 +261,10 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
         lin = Linear(w, b, row_tile=4)
         assert lin.gemm is not None and lin.packed is None and lin.weight32 is None
         assert torch.equal(lin(x), torch_ops.gemm_bf16(x, w, b))
-        assert Linear(torch.randn(40, 64).bfloat16()).gemm is None  # 40 columns: not a multiple of 16
+        with monkeypatch.context() as m:
+            m.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
+            odd = Linear(torch.randn(40, 64).bfloat16())  # 40 columns: not a multiple of 16
+            assert odd.gemm is None and odd.weight32 is not None  # the float32 path, decided per weight
         assert Linear(w.float()).gemm is None
     monkeypatch.setattr(cpu_linear, "own_gemm_cpu", lambda: False)
     assert Linear(w, b).gemm is None
@@ -272,3 +276,36 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     assert rule() is (cpu_ops.available() and cpu_ops.gemm_bf16_available())
     monkeypatch.setenv("CBP_CPU_OWN_GEMM", "0")
     assert rule() is False
+
+
+@needs_gemm
+def test_gemm_bf16_extreme_products_follow_one_fma_per_step():
+    """Products that overflow float32 or fall below its normal range are not rounded before the sum (one
+    FMA per step), as the reference emulates: found by a break-it review, where a rounded-product
+    reference disagreed."""
+    from kernels.cpu_linear import pack_gemm_weight
+
+    cases = [([-(2.0 ** 63), 2.0 ** 64], [2.0 ** 64, 2.0 ** 64]),  # an overflowing product, then back in range
+             ([2.0 ** 64, -(2.0 ** 64)], [2.0 ** 64, 2.0 ** 64]),  # inf - inf inside one FMA chain
+             ([2.0 ** -67, 2.0 ** -75, 3 * 2.0 ** -75, 0.0], [2.0 ** -67, -(2.0 ** -74), 2.0 ** -75, 0.0])]
+    for xv, wv in cases:
+        x = torch.tensor([xv]).bfloat16()
+        w = torch.tensor([wv] * 16).bfloat16()
+        y, ref = cpu_ops.gemm_bf16(x, pack_gemm_weight(w)).float(), torch_ops.gemm_bf16(x, w).float()
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()]), (xv, y, ref)
+
+
+@needs_gemm
+def test_gemm_bf16_refuses_bad_arguments_with_a_clear_error():
+    """Wrong dtypes and shapes raise RuntimeError naming the argument, also for an empty batch."""
+    from kernels.cpu_linear import pack_gemm_weight
+
+    packed = pack_gemm_weight(torch.randn(32, 8).bfloat16())
+    x = torch.randn(3, 8).bfloat16()
+    bad = [(x.float(), packed, None), (torch.randn(3, 6).bfloat16(), packed, None), (x, torch.empty(5), None),
+           (x, torch.empty(()), None), (x, packed, torch.zeros(2, 16).bfloat16()), (x, packed, torch.zeros(31)),
+           (x[:0].float(), packed, None), (torch.randn(0, 6).bfloat16(), packed, None)]
+    for args in bad:
+        with pytest.raises(RuntimeError, match="gemm_bf16"):
+            cpu_ops.gemm_bf16(*args)
+    assert cpu_ops.gemm_bf16(x[:0], packed).shape == (0, 32)

@@ -6,7 +6,7 @@
 //   packed  [N / 16, K / 2, 16, 2] bfloat16: W [N, K] in blocks of 16 output columns; a block holds, for
 //           p = 0 .. K/2 - 1, the pairs (W[n, 2p], W[n, 2p + 1]) of its 16 columns, so one 64-byte load
 //           brings 2 values of k for 16 columns (kernels/cpu_linear.py `pack_gemm_weight` builds it)
-//   bias    [N] bfloat16, or an empty tensor
+//   bias    [N] bfloat16 (or float32), or an empty tensor for none
 //   out     [M, N]  bfloat16, rows contiguous (any row stride)
 //
 // Why: on a 2-core Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bfloat16 GEMM ran SmolLM2's linears
@@ -16,8 +16,9 @@
 // to float32 in registers (a bfloat16 is the upper half of a float32: one shift or one mask) and use FMAs,
 // reading 2 bytes per weight from memory. Measured: 180-235 GFLOP/s at 8-64 rows (docs/performance.md).
 //
-// Arithmetic: the products of two bfloat16 values are exact in float32; every output keeps one float32
-// accumulator that runs over k = 0, 1, .. K-1 in this order (one FMA each), whatever the row count M, the
+// Arithmetic: every output keeps one float32 accumulator that runs over k = 0, 1, .. K-1 in this order,
+// one FMA each (the product of two bfloat16 values is exact in float32 unless it overflows or falls
+// below the normal range; the FMA rounds only the sum), whatever the row count M, the
 // row's place in its tile, the thread count or the split of the columns among threads. A row's result
 // therefore depends on its own values only: the GEMM is batch invariant by construction. The bias is
 // added once at the end, then the sum is rounded to bfloat16 (nearest even, as torch's conversion).
@@ -187,7 +188,7 @@ void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::
   TORCH_CHECK(gemm_bf16_available(), "gemm_bf16: this build has no AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.device().is_cpu(),
               "gemm_bf16: x must be a CPU bfloat16 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
               packed.size(2) == 16 && packed.size(3) == 2, "gemm_bf16: packed must be [N/16, K/2, 16, 2] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
   TORCH_CHECK(packed.size(1) * 2 == K, "gemm_bf16: x has ", K, " columns, packed expects ", packed.size(1) * 2);
@@ -195,7 +196,7 @@ void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::
               out.size(1) == N, "gemm_bf16: out must be bfloat16 [M, ", N, "] with contiguous rows");
   torch::Tensor bias32;
   if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == N, "gemm_bf16: bias must have ", N, " values");
+    TORCH_CHECK(bias.dim() == 1 && bias.numel() == N && bias.device().is_cpu(), "gemm_bf16: bias must be [", N, "]");
     bias32 = bias.to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return;
