@@ -314,5 +314,3 @@ def linear_weights(model) -> list[torch.Tensor]:
 def linear_parameters(model) -> int:
     """Parameters of :func:`linear_weights` (the bench's floor counts the step's FLOPs from them)."""
     return sum(w.numel() for w in linear_weights(model))
-
-

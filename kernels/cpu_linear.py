@@ -24,9 +24,9 @@ On those same CPUs, where the C++ extension has its AVX-512 GEMM (:func:`own_gem
 :class:`Linear` uses the engine's own GEMM instead of both (``kernels/csrc/gemm_bf16_cpu.cpp``): the
 weight packed once into 16-column blocks of k pairs (:func:`pack_gemm_weight`, 2 bytes per parameter,
 as oneDNN's packed copy), widened to float32 in registers, float32 FMAs with one accumulator per output
-in k order. Measured on the 2-core Xeon above, SmolLM2's 121 linears of a step took 1.3-1.5x less time
-than the better of oneDNN bfloat16 and MKL float32 at 1-96 rows and the same at 512, without the
-float32 copies; and a row's result does not depend on the other rows, so batch-invariant mode needs no
+in k order. Measured on the 2-core Xeon above (``python -m bench.cpu_linears``), SmolLM2's 121 linears
+of a step took 1.25-1.69x less time than the better of oneDNN bfloat16 and MKL float32 at 1-96 rows and
+1.05x less at 512, without the float32 copies; and a row's result does not depend on the other rows, so batch-invariant mode needs no
 row tiles there. ``CBP_CPU_OWN_GEMM=0`` turns it off.
 
 :func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
