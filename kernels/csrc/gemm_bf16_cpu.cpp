@@ -9,12 +9,13 @@
 //   bias    [N] bfloat16 (or float32), or an empty tensor for none
 //   out     [M, N]  bfloat16, rows contiguous (any row stride)
 //
-// Why: on a 2-core Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bfloat16 GEMM ran SmolLM2's linears
-// at 105-160 GFLOP/s and MKL's float32 GEMM (on float32 copies) at 60-187, lowest at the 8-32 rows a
-// decode step mostly has. There, VDPBF16PS retires about 1.3 G instructions/s per core (86 GFLOP/s) while
-// float32 FMAs retire 5.5 G/s (177 GFLOP/s), so the fast way to multiply bfloat16 weights is to widen them
-// to float32 in registers (a bfloat16 is the upper half of a float32: one shift or one mask) and use FMAs,
-// reading 2 bytes per weight from memory. Measured: 180-235 GFLOP/s at 8-64 rows (docs/performance.md).
+// Why: on a 2-core Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bfloat16 GEMM ran a decode step's
+// linears (SmolLM2, weights streamed from memory) at 65-128 GFLOP/s at 8-64 rows and MKL's float32 GEMM
+// (on float32 copies) at 32-136. There, VDPBF16PS retires about 1.3 G instructions/s per core
+// (86 GFLOP/s) while float32 FMAs retire 4.5-5.5 G/s (145-177 GFLOP/s), so the fast way to multiply
+// bfloat16 weights is to widen them to float32 in registers (a bfloat16 is the upper half of a float32:
+// one shift or one mask) and use FMAs, reading 2 bytes per weight from memory. Measured on the same
+// step: 107-196 GFLOP/s at 8-64 rows, 1.4-1.7x the faster library (`python -m bench.cpu_linears`).
 //
 // Arithmetic: every output keeps one float32 accumulator that runs over k = 0, 1, .. K-1 in this order,
 // one FMA each (the product of two bfloat16 values is exact in float32 unless it overflows or falls
