@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.peers import cpu_info
 from kernels import cpu_linear, cpu_ops
 
 
@@ -70,16 +71,10 @@ def time_step(fns, shapes, rows: int, g: torch.Generator) -> float:
 
 
 def cpu_description() -> str:
-    vendor, flags = cpu_linear._cpuinfo()
-    words = set(flags.split())
-    name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    feats = [w for w in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16") if w in words]
-    return f"{name or vendor or 'unknown CPU'} ({', '.join(feats) or 'no AVX2'})"
+    """The CPU's name and the vector flags of :func:`bench.peers.cpu_info` it has."""
+    cpu = cpu_info()
+    feats = [k for k, on in cpu["flags"].items() if on]
+    return f"{cpu['name'] or 'unknown CPU'} ({', '.join(feats) or 'no AVX2'})"
 
 
 def main(argv=None) -> int:

@@ -237,13 +237,14 @@ class Linear:
         self.packed = _pack(self.weight) if self.gemm is None and packs(self.weight, self.bias) else None
         self.row_tile = row_tile
         # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring)
-        use32 = self.gemm is None and makes_float32_copy(self.weight, row_tile)
+        use32 = makes_float32_copy(self.weight, row_tile)
         self.weight32 = self.weight.float() if use32 else None
-        self.bias32 = None if (self.bias is None or not use32) else self.bias.float()
+        # the float32 bias of that path, and of the own GEMM (which adds it in float32), made once here
+        self.bias32 = None if (self.bias is None or not (use32 or self.gemm is not None)) else self.bias.float()
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is not None and x.dtype == torch.bfloat16:
-            return cpu_ops.gemm_bf16(x, self.gemm, self.bias)
+            return cpu_ops.gemm_bf16(x, self.gemm, self.bias32)
         if self.weight32 is not None and x.shape[0] >= F32_MIN_ROWS:
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
         if self.packed is not None:
