@@ -27,37 +27,6 @@ namespace {
 
 constexpr float LOG2E_F = 1.4426950408889634f;
 
-// store VL float lanes into storage type T (bfloat16: round to nearest even, NaN kept a NaN)
-template <typename T>
-struct Store;
-
-template <>
-struct Store<float> {
-  static inline void vec(float* p, vfloat v) { vstore(p, v); }
-  static inline float round(float x) { return x; }
-};
-
-template <>
-struct Store<at::BFloat16> {
-  static inline void vec(at::BFloat16* p, vfloat v) {
-    vint u = (vint)v;
-    vint lsb = (u >> 16) & 1;
-    vint r = (u + 0x7fff + lsb) >> 16;
-    r = v != v ? vint{} + 0x7fc0 : r;
-    vu16 h = __builtin_convertvector(r & 0xffff, vu16);
-    std::memcpy(p, &h, sizeof h);
-  }
-  static inline float round(float x) { return static_cast<float>(at::BFloat16(x)); }
-};
-
-template <>
-struct Store<at::Half> {
-  static inline void vec(at::Half* p, vfloat v) {
-    for (int i = 0; i < VL; ++i) p[i] = at::Half(v[i]);
-  }
-  static inline float round(float x) { return static_cast<float>(at::Half(x)); }
-};
-
 // a vector rounded to T and back (the value a store then a load would give)
 template <typename T>
 static inline vfloat vround(vfloat v) {

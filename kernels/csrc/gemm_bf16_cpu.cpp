@@ -37,7 +37,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -56,15 +57,7 @@ constexpr int kMaxRows = 6;        // MR: rows of a micro-tile
 constexpr int kMaxBlocks = 3;      // NR: 16-column blocks of a micro-tile
 constexpr int64_t kPanelRows = 192;  // rows of x that pass over one group of weights before the next group
 
-// float32 -> bfloat16, round to nearest even, NaN -> quiet NaN (the rule of c10::BFloat16's conversion)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
+static_assert(VL == 16, "a column block is one AVX-512 vector of 16 float32 lanes");
 
 // One micro-tile: MR rows of x (float32, row stride xs) against NR column blocks of the packed weight
 // (block stride bs elements); writes MR x (16 * NR) outputs (row stride os).
@@ -105,7 +98,7 @@ inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs
     for (int j = 0; j < NR; ++j) {
       __m512 v = acc[i][j];
       if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * os + 16 * j), to_bf16(v));
+      Store<at::BFloat16>::vec(reinterpret_cast<at::BFloat16*>(out + i * os + 16 * j), (vfloat)v);  // nearest even
     }
   }
 }
@@ -134,20 +127,14 @@ void row_tiles(const float* x, int64_t xs, int64_t M, const uint16_t* w, int64_t
 
 // x [M, K] bfloat16 (row stride xs) -> x32 [M, K] float32, contiguous: exact (a bfloat16 is the upper
 // half of a float32)
-void widen_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t K, float* x32) {
+void widen_rows(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, float* x32) {
   at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* src = x + r * xs;
+      const at::BFloat16* src = x + r * xs;
       float* dst = x32 + r * K;
       int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
-        _mm512_storeu_ps(dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-      }
-      for (; k < K; ++k) {
-        const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        std::memcpy(dst + k, &bits, sizeof(bits));
-      }
+      for (; k + VL <= K; k += VL) vstore(dst + k, Cvt<at::BFloat16>::load(src + k));
+      for (; k < K; ++k) dst[k] = Cvt<at::BFloat16>::one(src[k]);
     }
   });
 }
@@ -203,7 +190,7 @@ void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::
   if (M == 0 || N == 0) return;
 #if CBP_GEMM_AVX512
   const torch::Tensor x32 = torch::empty({M, K}, x.options().dtype(at::kFloat));  // x widened once
-  widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, x32.data_ptr<float>());
+  widen_rows(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, x32.data_ptr<float>());
   gemm_impl(x32.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), NB,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr,
             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0));
