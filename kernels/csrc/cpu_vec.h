@@ -30,7 +30,10 @@ static inline vfloat vload(const float* p) {
   return v;
 }
 static inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-static inline vfloat vset1(float x) { return vfloat{} + x; }
+// A broadcast. Not `vfloat{} + x`: 0 + (-0) is +0, so without -ffast-math the compiler must keep that
+// addition, a scalar add (on an FMA port) before every broadcast of the kernels' inner loops; x - 0 is x
+// for every x, so `x - vfloat{}` folds to a plain broadcast (from memory: a load-port operation only).
+static inline vfloat vset1(float x) { return x - vfloat{}; }
 static inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 // horizontal max / sum as a tree over vector halves
 typedef float vhalf __attribute__((vector_size(VL * sizeof(float) / 2)));
