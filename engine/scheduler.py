@@ -11,8 +11,13 @@ One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
 
 Latency policy (chunked prefill that never freezes a stream): every running request that decodes
 gets its token first (the budget is reserved for them before any prompt chunk is sized), and while
-at least one request decodes, each prompt's chunk is at most ``prefill_chunk_tokens`` tokens per step
-(vLLM's ``long_prefill_token_threshold`` plays the same role). With ``prefill_step_target`` set, the
+at least one request decodes, the step's prompt tokens are at most ``prefill_chunk_tokens`` times the
+prompts that can progress (running ones still prefilling, waiting ones that find a free batch slot),
+within ``max_num_batched_tokens``. One long prompt thus gets ``prefill_chunk_tokens`` per step (vLLM's
+``long_prefill_token_threshold`` plays that role); when many prompts arrive together, the step is as
+large as if each got its own chunk, but the tokens go to the prompts in arrival order, each taking all
+it still needs, so the oldest reach their first token first instead of all of them advancing side by
+side and finishing together (the median TTFT of a burst falls, the step sizes stay the same). With ``prefill_step_target`` set, the
 prompt tokens of such a step (all prompts together) are sized instead so that the step takes about that
 many times what its decode rows alone take, from a cost model learned from the steps run
 (:mod:`engine.step_cost`). A long prompt is then prefilled over
@@ -152,7 +157,9 @@ class Scheduler:
         preempted: list[Request] = []
         # decode tokens are reserved first, so that no prompt chunk can take them (latency policy)
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        chunk_cap = self.config.prefill_chunk_tokens if decodes_left else budget  # per prompt, per step
+        chunk_cap = budget  # tokens one prompt may compute this step
+        if decodes_left:  # prefill_chunk_tokens per prompt that can progress, given in arrival order
+            budget = min(budget, decodes_left + self.config.prefill_chunk_tokens * self._num_prefill_candidates())
         target = self.config.prefill_step_target
         if target is not None and decodes_left:  # size the prompt tokens by a target step time instead
             decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -202,6 +209,13 @@ class Scheduler:
         out.preempted = preempted
         out.blocks_to_copy = self.kv.take_copies()
         return out
+
+    def _num_prefill_candidates(self) -> int:
+        """Prompts that can compute tokens this step: running ones still prefilling, plus as many waiting
+        ones as there are free batch slots (at least 1)."""
+        partial = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        free = sum(1 for r in self.batch_slots if r is None)
+        return max(1, partial + min(len(self.waiting), free))
 
     def _admit(self, scheduled: list, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
         now = time.monotonic()

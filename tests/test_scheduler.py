@@ -160,7 +160,8 @@ def test_abort_frees_blocks_and_slot_at_once():
 
 def test_long_prompt_is_chunked_around_running_decodes():
     """Latency policy: while requests decode, every step computes each decode token and at most
-    ``prefill_chunk_tokens`` tokens of each prompt; once nothing decodes, a prompt uses the whole budget."""
+    ``prefill_chunk_tokens`` prompt tokens per prompt that can progress, in arrival order; once nothing
+    decodes, a prompt uses the whole budget."""
     cfg = EngineConfig(max_num_seqs=6, num_blocks=256, block_size=4, max_num_batched_tokens=100,
                        prefill_chunk_tokens=16, enable_prefix_caching=False)
     s = Scheduler(cfg, KVCacheManager(256, 4, False), 1024)
@@ -175,11 +176,16 @@ def test_long_prompt_is_chunked_around_running_decodes():
         assert sched["A"] == 1 and sched["B"] == 1, sched  # the streams never stall
         chunks.append(sched.get("L", 0))
     assert chunks == [16] * 12 + [8]  # 200 prompt tokens in chunks of at most 16
-    # the cap is per prompt: two prompts arriving together each get their own chunk
+    # two prompts arriving together: the step computes a chunk for each (2 x 16 prompt tokens), but in
+    # arrival order, the first taking all it still needs, so M reaches its first token a step earlier
     add(s, "M", 40, 1, start=400)
     add(s, "N", 40, 1, start=500)
     sched = {r.request_id: n for r, n in step(s).scheduled}
-    assert sched["M"] == 16 and sched["N"] == 16 and sched["A"] == 1 and sched["B"] == 1
+    assert sched["M"] == 32 and "N" not in sched and sched["A"] == 1 and sched["B"] == 1, sched
+    sched = {r.request_id: n for r, n in step(s).scheduled}
+    assert sched["M"] == 8 and sched["N"] == 24, sched  # 8 left of M; N gets the rest of 2 x 16
+    sched = {r.request_id: n for r, n in step(s).scheduled}
+    assert sched["N"] == 16 and sched["A"] == 1, sched  # only N still prefills: one chunk
     # nothing decoding: a new prompt takes the whole budget at once
     s2 = Scheduler(cfg, KVCacheManager(256, 4, False), 1024)
     add(s2, "P", 90, 1)
