@@ -44,7 +44,7 @@ import random  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
-from bench.peers_run import free_port, peers_versions, run_http, run_vllm, server_cmds  # noqa: E402
+from bench.peers_run import cpu_times, free_port, peers_versions, run_http, run_vllm, server_cmds, steal_since  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -405,19 +405,29 @@ def main(argv: list[str] | None = None) -> int:
                          "mixed": [len(r["prompt_token_ids"]) for r in spec.get("mixed", [])]}
     ours: dict = {}
     theirs: dict = {}
+    steal: dict = {}  # percent of CPU time stolen by the hypervisor during each half (shared VMs)
     if offline:
         if not args.skip_ours:
+            t = cpu_times()
             ours = run_ours(spec, args.dtype, args.threads, args.kv_cache_gib, args.max_num_seqs,
                             args.max_num_batched_tokens, log)
+            steal["ours offline"] = steal_since(t)
         if not args.skip_vllm:
+            t = cpu_times()
             theirs = run_vllm(spec, args, log)
+            steal["vLLM offline"] = steal_since(t)
     if "http" in works:
         p1, p2 = free_port(), free_port()
         s_ours, s_vllm = server_cmds(args, p1, p2)
         if not args.skip_ours:
+            t = cpu_times()
             ours["http"] = run_http("ours", s_ours, p1, args, log)
+            steal["ours HTTP"] = steal_since(t)
         if not args.skip_vllm:
+            t = cpu_times()
             theirs["http"] = run_http("vllm", s_vllm, p2, args, log)
+            steal["vLLM HTTP"] = steal_since(t)
+    info["steal_pct"] = steal
 
     import torch
 
@@ -432,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if ours.get("floor"):
         print(format_floor(ours["floor"]))
+    if any(v is not None for v in steal.values()):
+        print("CPU time stolen by the hypervisor (other guests) during each half: " +
+              ", ".join(f"{k} {v:.1f}%" for k, v in steal.items() if v is not None) +
+              " (a half with more ran on a slower machine)")
     for side, res in (("ours", ours), ("vLLM", theirs)):
         for work, r in res.items():
             if isinstance(r, dict) and r.get("invalid"):

@@ -42,6 +42,28 @@ def child_env(threads: int, kv_cache_gib: float, peers: bool) -> dict:
     return env
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """``(steal, total)`` clock ticks of all CPUs from ``/proc/stat`` (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_since(start: tuple[int, int] | None) -> float | None:
+    """Percent of CPU time the hypervisor gave to other guests since ``start`` (:func:`cpu_times`): on a
+    shared VM a half of the comparison that ran while this was high ran on a slower machine."""
+    end = cpu_times()
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return 100.0 * (end[0] - start[0]) / (end[1] - start[1])
+
+
 def peers_versions(venv: str) -> dict:
     """vLLM's and torch's versions in the peers venv, from its installed package metadata (no import)."""
     import glob

@@ -126,3 +126,22 @@ def test_format_floor_names_step_floor_and_ratio():
     line = peers.format_floor({"step_ms": 66.0, "context": 159.0, "forward": "own", "floor_ms": 16.5, "gflop": 17.9,
                                "matmul_gflops": 2500.0, "kv_mb": 235.0, "bandwidth_gbs": 27.5})
     assert "66.0 ms" in line and "floor 16.5 ms" in line and "step / floor = 4.00" in line and "own forward" in line
+
+
+def test_steal_meter(monkeypatch, tmp_path):
+    """The share of CPU time the hypervisor gave to other guests between two reads of /proc/stat."""
+    stat = tmp_path / "stat"
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        return real_open(stat, *a, **k) if path == "/proc/stat" else real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
+    start = peers_run.cpu_times()
+    assert start == (50, 1000)
+    stat.write_text("cpu  180 0 60 900 0 0 0 60 0 0\n")  # 200 more ticks, 10 of them stolen
+    assert peers_run.steal_since(start) == pytest.approx(5.0)
+    assert peers_run.steal_since(None) is None
+    stat.write_text("intr 1 2\n")
+    assert peers_run.cpu_times() is None
