@@ -17,12 +17,12 @@ within ``max_num_batched_tokens``. One long prompt thus gets ``prefill_chunk_tok
 ``long_prefill_token_threshold`` plays that role); when many prompts arrive together, the step is as
 large as if each got its own chunk, but the tokens go to the prompts in arrival order, each taking all
 it still needs, so the oldest reach their first token first instead of all of them advancing side by
-side and finishing together (the median TTFT of a burst falls, the step sizes stay the same). With ``prefill_step_target`` set, the
-prompt tokens of such a step (all prompts together) are sized instead so that the step takes about that
-many times what its decode rows alone take, from a cost model learned from the steps run
-(:mod:`engine.step_cost`). A long prompt is then prefilled over
-several steps, each of them also computing every decode token; with nothing decoding, prompts use the
-whole ``max_num_batched_tokens`` budget.
+side and finishing together (the median TTFT of a burst falls, the step sizes stay the same). With
+``prefill_step_target`` set, the prompt tokens of such a step (all prompts together) are sized instead
+so that the step takes about that many times what its decode rows alone take, from a cost model
+learned from the steps run (:mod:`engine.step_cost`). A long prompt is then prefilled over several
+steps, each of them also computing every decode token; with nothing decoding, prompts use the whole
+``max_num_batched_tokens`` budget.
 
 ``static`` admits a batch only when nothing is running, reserves ``prompt + max_tokens`` blocks per
 request up front (as pre-paging servers did), and keeps a finished request's slot empty until the whole

@@ -111,12 +111,22 @@ def test_eight_tabs_of_one_browser_stream_at_once_with_live_panels(tiny_model, t
                 after = [page.evaluate("() => window.cbpLive.lastStep") for page in pages]
             assert all(b > a for a, b in zip(before, after)), (before, after)
             assert all(page.locator("#occupancy .js-plotly-plot").count() == 1 for page in pages)
-            # closing the tabs aborts their replies: their blocks return to the pool
+            # closing the tabs aborts their replies: their blocks return to the pool. A closed tab says goodbye
+            # with a beacon; on a loaded machine Chromium can drop one while it tears the tab down (seen once in
+            # 8 in a CI run), and then the product's fallback is the lease: a tab silent for lease_s is reaped.
+            # Here the lease is made to run out at once for the tabs still held, instead of waiting 90 s
             running = {r for r in engine.telemetry.latest().block_tables if r.startswith("chat-")}
             for page in pages:
                 page.close()
-            assert wait(lambda: not running & set(engine.telemetry.latest().block_tables), timeout=30), \
-                running & set(engine.telemetry.latest().block_tables)
+
+            def held() -> set:
+                return running & set(engine.telemetry.latest().block_tables)
+
+            if not wait(lambda: not held(), timeout=30):
+                live = demo.cbp_live
+                assert len(held()) <= 2, held()  # most goodbyes arrive
+                live.reap(now=time.monotonic() + live.lease_s + 1)
+                assert wait(lambda: not held(), timeout=30), held()
             browser.close()
     finally:
         demo.cbp_loadgen.stop()

@@ -31,7 +31,7 @@
 // tile reads its group's weights once more, so 8 rows (a decode step of 8 chats in one tile) ran the
 // step's linears 1.17-1.25x faster than 6 (6 + 2), and 12-512 rows 1.03-1.09x; widening a group to float32
 // once per panel instead of in every tile gained nothing (one process A/B on the 2-core Xeon above). The
-// columns are split among torch's threads in contiguous ranges of blocks; each thread walks its range 3
+// columns are split among torch's threads in contiguous ranges of blocks; each thread walks its range NR
 // blocks at a time and, for each group, all row tiles of a panel of kPanelRows rows, so the group's
 // weights (96 * K bytes) stay in L2 while the panel's rows pass over them.
 
@@ -70,6 +70,8 @@ constexpr int kMaxBlocks = CBP_GEMM_NR;      // NR: 16-column blocks of a micro-
 constexpr int64_t kPanelRows = CBP_GEMM_PANEL;  // rows of x that pass over one group of weights before the next group
 
 static_assert(VL == 16, "a column block is one AVX-512 vector of 16 float32 lanes");
+static_assert(1 <= kMaxRows && kMaxRows <= 12 && 1 <= kMaxBlocks && kMaxBlocks <= 4 && kPanelRows % kMaxRows == 0,
+              "the tile dispatch covers MR <= 12, NR <= 4, and a panel is whole row tiles");
 
 // One micro-tile: MR rows of x (float32, row stride xs) against NR column blocks of the packed weight
 // (block stride bs elements); writes MR x (16 * NR) outputs (row stride os).
