@@ -50,11 +50,11 @@ class EngineConfig:
         kv_cache_memory: KV budget in bytes (int or ``"512MiB"``) or a fraction of free device memory.
         max_num_seqs: batch slots: requests running at once.
         max_num_batched_tokens: token budget of one step (tokens).
-        prefill_chunk_tokens: while any request decodes, a step computes at most this many prompt tokens
-            per prompt that can progress (tokens; running prompts plus waiting ones that find a batch slot),
-            given to the oldest prompt first, so a long prompt never freezes running streams and a burst
-            of prompts reaches first tokens in arrival order; with nothing decoding, prompts use the whole
-            ``max_num_batched_tokens``.
+        prefill_chunk_tokens: while any request decodes, a prompt part way through its prefill computes at
+            most this many tokens per step (tokens), so a long prompt never freezes running streams, and a
+            step holds at most this many prompt tokens per prompt that can progress, prompts admitted in
+            the step taking what is left in arrival order (a burst reaches first tokens in arrival order);
+            with nothing decoding, prompts use the whole ``max_num_batched_tokens``.
         prefill_step_target: None (the fixed ``prefill_chunk_tokens``), or a ratio > 1: while any request
             decodes, a step's prompt tokens (all prompts together) are sized so that the step takes about
             this many times its decode rows alone, from a cost model of the steps run

@@ -115,8 +115,9 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("max_num_batched_tokens", int, _CFG["max_num_batched_tokens"],
            "token budget of one engine step (tokens); longer prompts are prefilled in chunks", low=1),
     Option("prefill_chunk_tokens", int, _CFG["prefill_chunk_tokens"],
-           "while any request decodes, a step computes at most this many prompt tokens per prompt that can "
-           "progress, oldest prompt first", low=1),
+           "while any request decodes, a prompt part way through its prefill computes at most this many "
+           "tokens per step; a step holds this many per prompt that can progress, new prompts first come "
+           "first served", low=1),
     Option("prefill_step_target", float, None,
            "instead of a fixed chunk: while any request decodes, size a step's prompt tokens so that the step "
            "takes about this many times its decode rows alone (a ratio > 1, e.g. 3; learned from the steps run)",

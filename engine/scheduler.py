@@ -11,13 +11,14 @@ One step (Orca, Yu et al., OSDI 2022; vLLM v1's scheduler):
 
 Latency policy (chunked prefill that never freezes a stream): every running request that decodes
 gets its token first (the budget is reserved for them before any prompt chunk is sized), and while
-at least one request decodes, the step's prompt tokens are at most ``prefill_chunk_tokens`` times the
-prompts that can progress (running ones still prefilling, waiting ones that find a free batch slot),
-within ``max_num_batched_tokens``. One long prompt thus gets ``prefill_chunk_tokens`` per step (vLLM's
-``long_prefill_token_threshold`` plays that role); when many prompts arrive together, the step is as
-large as if each got its own chunk, but the tokens go to the prompts in arrival order, each taking all
-it still needs, so the oldest reach their first token first instead of all of them advancing side by
-side and finishing together (the median TTFT of a burst falls, the step sizes stay the same). With
+at least one request decodes, a prompt part way through its prefill computes at most
+``prefill_chunk_tokens`` tokens per step (vLLM's ``long_prefill_token_threshold`` plays the same role), and
+the step's prompt tokens are at most ``prefill_chunk_tokens`` times the prompts that can progress
+(running ones still prefilling, waiting ones the free batch slots can take), within
+``max_num_batched_tokens``. Prompts admitted in the step take what is left in arrival order, each as
+much as it still needs: one long prompt is still chunked, a short prompt arriving behind it is computed
+at once, and a burst of prompts arriving together reaches its first tokens in arrival order instead of
+all of them advancing side by side and finishing together (the step sizes stay the same). With
 ``prefill_step_target`` set, the prompt tokens of such a step (all prompts together) are sized instead
 so that the step takes about that many times what its decode rows alone take, from a cost model
 learned from the steps run (:mod:`engine.step_cost`). A long prompt is then prefilled over several
@@ -157,9 +158,9 @@ class Scheduler:
         preempted: list[Request] = []
         # decode tokens are reserved first, so that no prompt chunk can take them (latency policy)
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        chunk_cap = budget  # tokens one prompt may compute this step
-        if decodes_left:  # prefill_chunk_tokens per prompt that can progress, given in arrival order
-            budget = min(budget, decodes_left + self.config.prefill_chunk_tokens * self._num_prefill_candidates())
+        chunk_cap = budget  # tokens a running prompt may compute this step
+        admit_cap = budget  # tokens a prompt admitted this step may compute
+        sized = False  # whether prefill_step_target sized this step's prompt tokens
         target = self.config.prefill_step_target
         if target is not None and decodes_left:  # size the prompt tokens by a target step time instead
             decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -168,8 +169,14 @@ class Scheduler:
                 decodes_left, target, budget, decode_pairs=sum(r.num_computed_tokens + 1 for r in decoding),
                 prompt_start=prompt.num_computed_tokens if prompt is not None else 0)
             if chunk is not None:
-                chunk_cap = chunk
+                chunk_cap = admit_cap = chunk
                 budget = min(budget, decodes_left + chunk)  # all prompts together, not each
+                sized = True
+        if decodes_left and not sized:  # the fixed chunk policy
+            # a prompt part way through its prefill gets its own chunk; the step holds one chunk per prompt
+            # that can progress, and newly admitted prompts take what is left in arrival order
+            chunk_cap = self.config.prefill_chunk_tokens
+            budget = min(budget, decodes_left + chunk_cap * self._num_prefill_candidates())
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -199,7 +206,7 @@ class Scheduler:
             i += 1
 
         if not preempted and (not self.static or not self.running):
-            self._admit(scheduled, out, budget, chunk_cap)
+            self._admit(scheduled, out, budget, admit_cap)
 
         # decode rows first: the attention path handles a contiguous run of single-token rows at once
         scheduled.sort(key=lambda rn: rn[1] > 1)
@@ -211,11 +218,19 @@ class Scheduler:
         return out
 
     def _num_prefill_candidates(self) -> int:
-        """Prompts that can compute tokens this step: running ones still prefilling, plus as many waiting
-        ones as there are free batch slots (at least 1)."""
-        partial = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        free = sum(1 for r in self.batch_slots if r is None)
-        return max(1, partial + min(len(self.waiting), free))
+        """Prompts that can compute tokens this step (at least 1): running ones still prefilling, plus the
+        waiting ones at the head of the queue that the free batch slots can take (a request with parallel
+        samples needs a slot for each; the static policy admits nobody while anything runs)."""
+        n = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        if not self.static or not self.running:
+            free = sum(1 for r in self.batch_slots if r is None)
+            for req in self.waiting:
+                need = 1 + sum(1 for sib in req.pending_forks if not sib.is_finished)
+                if need > free:
+                    break
+                free -= need
+                n += 1
+        return max(1, n)
 
     def _admit(self, scheduled: list, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
         now = time.monotonic()

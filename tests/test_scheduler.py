@@ -191,3 +191,39 @@ def test_long_prompt_is_chunked_around_running_decodes():
     add(s2, "P", 90, 1)
     assert [(r.request_id, n) for r, n in step(s2).scheduled] == [("P", 90)]
 
+
+
+def test_prompt_budget_keeps_short_prompts_and_the_step_target_unhindered():
+    """The per-step prompt budget (one chunk per prompt that can progress, admitted prompts in arrival
+    order) must not delay a short prompt behind a long one mid-prefill, must not count waiting requests the
+    static policy cannot admit, and must not cap a chunk sized by ``prefill_step_target``."""
+    def mk(**kw):
+        cfg = EngineConfig(num_blocks=4096, block_size=4, enable_prefix_caching=False, **kw)
+        return Scheduler(cfg, KVCacheManager(cfg.num_blocks, cfg.block_size, False), 100_000)
+
+    # a long prompt part way through its prefill keeps its own chunk; short prompts behind it go at once
+    s = mk(max_num_seqs=8, max_num_batched_tokens=2048, prefill_chunk_tokens=16)
+    add(s, "A", 4, 1000)
+    step(s)
+    add(s, "L", 3000, 1, start=100)
+    step(s)
+    for i in range(5):
+        add(s, f"S{i}", 16, 1, start=5000 + 100 * i)
+    sched = {r.request_id: n for r, n in step(s).scheduled}
+    assert sched == {"A": 1, "L": 16, **{f"S{i}": 16 for i in range(5)}}, sched
+    # static: waiting requests are not admitted while a batch runs, so they add nothing to the budget
+    s = mk(policy="static", max_num_seqs=8, max_num_batched_tokens=104, prefill_chunk_tokens=16)
+    add(s, "A", 4, 50)
+    add(s, "B", 400, 5, start=100)
+    for i in range(5):
+        add(s, f"W{i}", 10, 5, start=1000 + 100 * i)
+    step(s)
+    assert {r.request_id: n for r, n in step(s).scheduled} == {"A": 1, "B": 16}
+    # a chunk sized by the step-time target is not capped by prefill_chunk_tokens
+    s = mk(max_num_seqs=4, max_num_batched_tokens=2048, prefill_chunk_tokens=80, prefill_step_target=3.0)
+    add(s, "A", 4, 100)
+    step(s)
+    add(s, "L", 4000, 1, start=100)
+    s.step_cost.fixed, s.step_cost.per_token, s.step_cost.per_pair = 0.01, 1e-5, 0.0
+    sched = {r.request_id: n for r, n in step(s).scheduled}
+    assert sched["A"] == 1 and sched["L"] > 80, sched
