@@ -107,7 +107,11 @@ async def _soak(url: str, engine: AsyncEngine) -> dict:
                 if not messages or not messages[0]["content"].startswith(marker):
                     continue
                 hold()
-                await settled()
+                try:
+                    await settled()
+                except asyncio.CancelledError:  # the stream ended first: the cut is called off
+                    release()
+                    raise
                 if not req.is_finished and 0 < req.num_computed_tokens < req.num_prompt_tokens:
                     return req.request_id
                 release()  # the step in flight finished its prefill: look again
