@@ -406,27 +406,26 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict = {}
     theirs: dict = {}
     steal: dict = {}  # percent of CPU time stolen by the hypervisor during each half (shared VMs)
+
+    def half(label: str, run, *run_args):
+        start = cpu_times()
+        result = run(*run_args)
+        steal[label] = steal_since(start)
+        return result
+
     if offline:
         if not args.skip_ours:
-            t = cpu_times()
-            ours = run_ours(spec, args.dtype, args.threads, args.kv_cache_gib, args.max_num_seqs,
-                            args.max_num_batched_tokens, log)
-            steal["ours offline"] = steal_since(t)
+            ours = half("ours offline", run_ours, spec, args.dtype, args.threads, args.kv_cache_gib,
+                        args.max_num_seqs, args.max_num_batched_tokens, log)
         if not args.skip_vllm:
-            t = cpu_times()
-            theirs = run_vllm(spec, args, log)
-            steal["vLLM offline"] = steal_since(t)
+            theirs = half("vLLM offline", run_vllm, spec, args, log)
     if "http" in works:
         p1, p2 = free_port(), free_port()
         s_ours, s_vllm = server_cmds(args, p1, p2)
         if not args.skip_ours:
-            t = cpu_times()
-            ours["http"] = run_http("ours", s_ours, p1, args, log)
-            steal["ours HTTP"] = steal_since(t)
+            ours["http"] = half("ours HTTP", run_http, "ours", s_ours, p1, args, log)
         if not args.skip_vllm:
-            t = cpu_times()
-            theirs["http"] = run_http("vllm", s_vllm, p2, args, log)
-            steal["vLLM HTTP"] = steal_since(t)
+            theirs["http"] = half("vLLM HTTP", run_http, "vllm", s_vllm, p2, args, log)
     info["steal_pct"] = steal
 
     import torch
