@@ -225,20 +225,25 @@ class Scheduler:
         if not self.static or not self.running:
             free = sum(1 for r in self.batch_slots if r is None)
             for req in self.waiting:
-                need = 1 + sum(1 for sib in req.pending_forks if not sib.is_finished)
+                need = self._slots_needed(req)
                 if need > free:
                     break
                 free -= need
                 n += 1
         return max(1, n)
 
+    @staticmethod
+    def _slots_needed(req: Request) -> int:
+        """Batch slots ``req`` takes when admitted: one, plus one per parallel sample not aborted."""
+        req.pending_forks = [s for s in req.pending_forks if not s.is_finished]
+        return 1 + len(req.pending_forks)
+
     def _admit(self, scheduled: list, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
         now = time.monotonic()
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            req.pending_forks = [s for s in req.pending_forks if not s.is_finished]  # aborted siblings
             free_slots = [i for i, r in enumerate(self.batch_slots) if r is None]
-            if len(free_slots) < 1 + len(req.pending_forks):  # parallel samples need a slot each
+            if len(free_slots) < self._slots_needed(req):  # parallel samples need a slot each
                 break
             slot = free_slots[0]
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
