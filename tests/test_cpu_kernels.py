@@ -172,6 +172,26 @@ def test_thread_count_does_not_change_results(ext):
     assert torch.equal(one, two), seed
 
 
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float32, 64)])
+def test_decode_row_equals_the_same_row_in_a_prefill_chunk(ext, dtype, head_dim):
+    """The last query row of a prefill chunk and the same row run as a decode row (q_len 1, the decode
+    tiles' own packing and P V paths) give identical bits: chunked prefill and prefix-cache hits, which
+    turn a prompt's last row into a one-row step, cannot change a token."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    kvh, group, bs, ctx, qlen = 3, 3, 16, 203, 37
+    nblocks = (ctx + bs - 1) // bs
+    kc = torch.randn(nblocks + 5, kvh, bs, head_dim, generator=g).to(dtype)
+    vc = torch.randn(nblocks + 5, kvh, bs, head_dim, generator=g).to(dtype)
+    bt = torch.randperm(nblocks + 5, generator=g)[:nblocks].to(torch.int32).view(1, -1)
+    q = torch.randn(qlen, kvh * group, head_dim, generator=g).to(dtype)
+    sl = torch.tensor([ctx], dtype=torch.int32)
+    chunk = cpu_ops.paged_attention(q, kc, vc, bt, sl, torch.tensor([0, qlen], dtype=torch.int32), head_dim ** -0.5)
+    one = cpu_ops.paged_attention(q[-1:].clone(), kc, vc, bt, sl, torch.tensor([0, 1], dtype=torch.int32),
+                                  head_dim ** -0.5)
+    assert torch.equal(chunk[-1:], one), seed
+
+
 def test_unsupported_shapes_use_the_torch_path(ext):
     """head_dim not a multiple of 16 goes to the torch path (same results as calling it)."""
     seed = _seed()

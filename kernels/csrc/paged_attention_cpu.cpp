@@ -64,6 +64,12 @@ namespace cbp {
 #ifndef CBP_DECODE_ALL_HEADS
 #define CBP_DECODE_ALL_HEADS 1
 #endif
+#ifndef CBP_PACK_PAIRS
+#define CBP_PACK_PAIRS 1
+#endif
+#ifndef CBP_V_DIRECT
+#define CBP_V_DIRECT 1
+#endif
 #ifndef CBP_MR
 #define CBP_MR 6
 #endif
@@ -127,6 +133,28 @@ __attribute__((always_inline)) static inline void transpose16x16(__m512 r[16]) {
 template <typename T>
 static void pack_k_f32(const T* const* krow, int nk_pad, int D, float* KT) {
 #if defined(__AVX512F__)
+#if CBP_PACK_PAIRS
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    if (D % 32 == 0) {
+      // transpose 32-bit pairs of bfloat16 (d, d + 1), then split each pair: half the shuffles per
+      // value of the float32 transpose below, and the same float32 values in the same places
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+      for (int n0 = 0; n0 < nk_pad; n0 += 16) {
+        for (int d0 = 0; d0 < D; d0 += 32) {
+          __m512 r[16];
+          for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(krow[n0 + i] + d0));
+          transpose16x16(r);  // r[j], lane i: the pair (2j, 2j + 1) of key n0 + i
+          for (int j = 0; j < 16; ++j) {
+            const __m512i v = _mm512_castps_si512(r[j]);
+            _mm512_storeu_ps(KT + (d0 + 2 * j) * KEY_CHUNK + n0, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_storeu_ps(KT + (d0 + 2 * j + 1) * KEY_CHUNK + n0, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+          }
+        }
+      }
+      return;
+    }
+  }
+#endif
   if (D % 16 == 0) {
     for (int n0 = 0; n0 < nk_pad; n0 += 16) {
       for (int d0 = 0; d0 < D; d0 += 16) {
@@ -170,9 +198,10 @@ static inline void qk_f32(const float* Q, int ldq, const float* KT, int D, float
     for (int v = 0; v < NV; ++v) vstore(S + m * lds + v * VL, acc[m][v]);
 }
 
-// O[m][d0 : d0 + DV*VL] = alpha[m] * O[m][...] + sum_{n < nk} P[m][n] * V[n][...]
-template <int R, int DV>
-static inline void pv_f32(const float* P, int ldp, const float* const* vrow, int nk, int d0, float* O, int ldo,
+// O[m][d0 : d0 + DV*VL] = alpha[m] * O[m][...] + sum_{n < nk} P[m][n] * V[n][...]; V rows float32, or
+// bfloat16 / float16 widened as they are read (exact: the same products and sums)
+template <int R, int DV, typename TV>
+static inline void pv_f32(const float* P, int ldp, const TV* const* vrow, int nk, int d0, float* O, int ldo,
                           const float* alpha) {
   vfloat acc[R][DV];
 #pragma GCC unroll 8
@@ -183,9 +212,9 @@ static inline void pv_f32(const float* P, int ldp, const float* const* vrow, int
   }
   for (int n = 0; n < nk; ++n) {
     vfloat b[DV];
-    const float* vr = vrow[n] + d0;
+    const TV* vr = vrow[n] + d0;
 #pragma GCC unroll 8
-    for (int v = 0; v < DV; ++v) b[v] = vload(vr + v * VL);
+    for (int v = 0; v < DV; ++v) b[v] = Cvt<TV>::load(vr + v * VL);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
       vfloat a = vset1(P[m * ldp + n]);
@@ -209,15 +238,15 @@ static void qk_f32_rows(const float* Q, int ldq, const float* KT, int D, int nv,
   }
 }
 
-template <int R>
-static void pv_f32_rows(const float* P, int ldp, const float* const* vrow, int nk, int D, float* O, int ldo,
+template <int R, typename TV>
+static void pv_f32_rows(const float* P, int ldp, const TV* const* vrow, int nk, int D, float* O, int ldo,
                         const float* alpha) {
   int d0 = 0;
-  for (; d0 + PV_DV * VL <= D; d0 += PV_DV * VL) pv_f32<R, PV_DV>(P, ldp, vrow, nk, d0, O, ldo, alpha);
+  for (; d0 + PV_DV * VL <= D; d0 += PV_DV * VL) pv_f32<R, PV_DV, TV>(P, ldp, vrow, nk, d0, O, ldo, alpha);
   switch ((D - d0) / VL) {
-    case 3: pv_f32<R, std::min(3, PV_DV)>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
-    case 2: pv_f32<R, 2>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
-    case 1: pv_f32<R, 1>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
+    case 3: pv_f32<R, std::min(3, PV_DV), TV>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
+    case 2: pv_f32<R, 2, TV>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
+    case 1: pv_f32<R, 1, TV>(P, ldp, vrow, nk, d0, O, ldo, alpha); break;
     default: break;
   }
 }
@@ -632,6 +661,12 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
         if constexpr (std::is_same<T, float>::value) {
           for (int n = 0; n < pf_n; ++n) prefetch_row(n);
           vr = reinterpret_cast<const float* const*>(vrow);
+        } else if (CBP_V_DIRECT && M <= MR) {
+          // one row block (a decode tile): each V row is read once, so it is widened as the P V
+          // micro-kernel reads it instead of being copied to float32 first
+          for (int n = 0; n < pf_n; ++n) prefetch_row(n);
+          CBP_DISPATCH_ROWS(M, pv_f32_rows, S, KEY_CHUNK, vrow, nk, D, O, D, alpha);
+          continue;
         } else {
           for (int n = 0; n < nk; ++n) {
             for (int d = 0; d < D; d += VL) vstore(Vf + n * D + d, Cvt<T>::load(vrow[n] + d));
