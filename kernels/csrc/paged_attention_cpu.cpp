@@ -19,7 +19,11 @@
 //   4. O = alpha * O + P V (register-blocked micro-kernel).
 // Two compute paths:
 //   * float32 FMAs on GCC vector types (16 lanes with AVX-512, 8 otherwise), K and V converted to
-//     float32, P kept in float32: the default for every dtype;
+//     float32, P kept in float32: the default for every dtype. bfloat16 K is transposed as 32-bit pairs
+//     of values, each pair then split by a shift and a mask (CBP_PACK_PAIRS: half the shuffles of a
+//     float32 transpose); a tile of at most MR rows (a decode token's query heads) widens each V row as
+//     the P V micro-kernel reads it, a larger tile converts it once into float32 first (CBP_V_DIRECT).
+//     Both give the same float32 values in the same order, so a row's bits do not depend on its tile;
 //   * bfloat16 caches on CPUs with AVX512_BF16, opt-in with CBP_CPU_BF16_DOT=1: Q K^T and P V with
 //     vdpbf16ps (bf16 products, float32 accumulation; K packed as transposed element pairs, V as
 //     interleaved row pairs, P rounded to bf16). About 1.3x faster on a long prefill, but the rounding
