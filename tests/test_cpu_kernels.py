@@ -172,7 +172,8 @@ def test_thread_count_does_not_change_results(ext):
     assert torch.equal(one, two), seed
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float32, 64)])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float16, 64),
+                                            (torch.float32, 64)])
 def test_decode_row_equals_the_same_row_in_a_prefill_chunk(ext, dtype, head_dim):
     """The last query row of a prefill chunk and the same row run as a decode row (q_len 1, the decode
     tiles' own packing and P V paths) give identical bits: chunked prefill and prefix-cache hits, which

@@ -80,6 +80,7 @@ namespace cbp {
 constexpr int KEY_CHUNK = CBP_KEY_CHUNK;  // keys per online-softmax step (multiple of 16 and of VL)
 constexpr int TILE_ROWS = CBP_TILE_ROWS;  // target query rows (positions x group heads) per work item
 constexpr int MR = CBP_MR;                // query rows per micro-tile (at most 6)
+static_assert(1 <= MR && MR <= 6, "CBP_DISPATCH_ROWS covers micro-tiles of 1 to 6 query rows");
 constexpr int MAX_HEAD_DIM = 512;
 constexpr int MAX_ROWS = 1024;   // query rows of one work item (tile rows x group x KV heads)
 // register blocking of the float32 micro-kernels: MR rows x QK_NV vectors of keys (Q K^T) and
