@@ -8,6 +8,8 @@ path this CPU has:
 
 * ``own``: the engine's own GEMM (``kernels/csrc/gemm_bf16_cpu.cpp``: bfloat16 weights widened to float32
   in registers, float32 FMAs), where the C++ extension has it (AVX-512);
+* ``own-dp``: the same GEMM on VDPBF16PS (``dot_products=True``), where the build has AVX512-BF16 (the
+  engine's choice on AMD CPUs with it);
 * ``onednn``: oneDNN's bfloat16 linear on prepacked weights (``torch.ops.mkldnn._linear_pointwise``),
   where the CPU has native bfloat16;
 * ``mkl32``: ``F.linear`` in float32 on float32 copies of the weights (MKL), input cast up and output
@@ -15,7 +17,8 @@ path this CPU has:
 * ``torch``: ``F.linear`` in bfloat16 (``--all`` only: slow where the CPU has no native bfloat16).
 
 The paths alternate within each row count (one pass of each, repeated), and the median pass is
-reported with its GFLOP/s and the ratio of the best other path's time to ``own``'s. It prints the CPU's
+reported with its GFLOP/s and the ratio of the best other path's time to the faster own path's. It
+prints the CPU's
 name, its vector flags and the thread count: compare ratios from one run, not times across machines.
 """
 
@@ -41,6 +44,9 @@ def step_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_
     return per_layer * layers + [(vocab, hidden)]
 
 
+OWN = ("own", "own-dp")  # the engine's own GEMM, float32 FMAs and VDPBF16PS
+
+
 def build_paths(shapes, with_torch: bool, seed: int = 0) -> dict:
     """``{name: [callable(x) per shape]}`` for the paths this CPU has (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
@@ -49,6 +55,8 @@ def build_paths(shapes, with_torch: bool, seed: int = 0) -> dict:
     if cpu_ops.available() and cpu_ops.gemm_bf16_available():
         packed = [cpu_linear.pack_gemm_weight(w) for w in weights]
         paths["own"] = [lambda x, p=p: cpu_ops.gemm_bf16(x, p) for p in packed]
+        if cpu_ops.gemm_bf16_dp_available():
+            paths["own-dp"] = [lambda x, p=p: cpu_ops.gemm_bf16(x, p, None, True) for p in packed]
     if cpu_linear.available() and cpu_linear.native_bf16():
         onednn = [cpu_linear._pack(w) for w in weights]
         paths["onednn"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(1)
     for fns in paths.values():  # first touch: page in the weights and build any lazy state
         time_step(fns, shapes, 1, g)
-    head = f"{'rows':>5} | " + " | ".join(f"{n:>16}" for n in paths) + " | best other / own"
+    head = f"{'rows':>5} | " + " | ".join(f"{n:>16}" for n in paths) + " | best other / best own"
     print(head)
     print("-" * len(head))
     for rows in (int(r) for r in args.rows.split(",") if r.strip()):
@@ -113,8 +121,9 @@ def main(argv=None) -> int:
                 times[name].append(time_step(fns, shapes, rows, g))
         med = {n: statistics.median(ts) for n, ts in times.items()}
         cells = [f"{1e3 * t:7.1f} ms {2 * rows * params / t / 1e9:4.0f} GF" for t in med.values()]
-        others = [t for n, t in med.items() if n != "own"]
-        ratio = f"{min(others) / med['own']:.2f}x" if "own" in med and others else "-"
+        ours = [t for n, t in med.items() if n in OWN]
+        others = [t for n, t in med.items() if n not in OWN]
+        ratio = f"{min(others) / min(ours):.2f}x" if ours and others else "-"
         print(f"{rows:>5} | " + " | ".join(f"{c:>16}" for c in cells) + f" | {ratio}")
     return 0
 

@@ -27,7 +27,9 @@ as oneDNN's packed copy), widened to float32 in registers, float32 FMAs with one
 in k order. Measured on the 2-core Xeon above (``python -m bench.cpu_linears``), SmolLM2's 121 linears
 of a step took 1.25-1.69x less time than the better of oneDNN bfloat16 and MKL float32 at 1-96 rows and
 1.05x less at 512, without the float32 copies; and a row's result does not depend on the other rows, so batch-invariant mode needs no
-row tiles there. ``CBP_CPU_OWN_GEMM=0`` turns it off.
+row tiles there. On AMD CPUs with AVX512-BF16 (:func:`gemm_dot_products`) the same GEMM multiplies the
+packed pairs with VDPBF16PS instead, still one accumulator per output in k order: 1.1-1.4x oneDNN's
+bfloat16 GEMM at 16-128 rows on a 2-vCPU EPYC. ``CBP_CPU_OWN_GEMM=0`` turns it off.
 
 :func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
 replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
@@ -125,13 +127,30 @@ F32_MIN_ROWS = 48  # rows from which a bfloat16 Linear multiplies in float32 whe
 
 
 @functools.cache
+def gemm_dot_products() -> bool:
+    """Whether the own GEMM multiplies with VDPBF16PS on this CPU (decided from its flags and vendor,
+    read once per process, never from a timing): an AMD CPU with AVX512-BF16 and no AMX, where the
+    instruction runs at twice the float32 FMA rate (Zen 4 / 5). Elsewhere it multiplies widened weights
+    with float32 FMAs: on Intel CPUs without AMX VDPBF16PS retires at about a quarter of the FMA rate."""
+    vendor, flags = _cpuinfo()
+    words = set(flags.split())
+    return vendor == "AuthenticAMD" and "avx512_bf16" in words and "amx_bf16" not in words
+
+
+@functools.cache
 def own_gemm_cpu() -> bool:
-    """Whether bfloat16 linears on this CPU use the engine's own GEMM (``kernels/csrc/gemm_bf16_cpu.cpp``):
-    :func:`bf16_matmul_outruns_f32` is False (AMX and AMD's AVX512-BF16 keep oneDNN's bfloat16 GEMM, which
-    is faster there) and the C++ extension loads with its AVX-512 ``gemm_bf16``. Decided from the CPU's
-    flags and the build, never from a timing; ``CBP_CPU_OWN_GEMM=0`` turns it off. Read once per process
-    (may build the extension, about a minute on a CPU's first start)."""
-    if os.environ.get("CBP_CPU_OWN_GEMM", "1") == "0" or bf16_matmul_outruns_f32():
+    """Whether bfloat16 linears on this CPU use the engine's own GEMM (``kernels/csrc/gemm_bf16_cpu.cpp``).
+    With :func:`gemm_dot_products` (AMD's AVX512-BF16) when the extension has the VDPBF16PS path: measured
+    1.1-1.4x oneDNN's bfloat16 GEMM at 16-128 rows and level at 512 on a 2-vCPU EPYC. Otherwise when
+    :func:`bf16_matmul_outruns_f32` is False (AMX keeps oneDNN's tile GEMM, far faster) and the extension
+    loads with its AVX-512 ``gemm_bf16``. Decided from the CPU's flags and the build, never from a timing;
+    ``CBP_CPU_OWN_GEMM=0`` turns it off. Read once per process (may build the extension, about a minute
+    on a CPU's first start)."""
+    if os.environ.get("CBP_CPU_OWN_GEMM", "1") == "0":
+        return False
+    if gemm_dot_products():
+        return cpu_ops.gemm_bf16_dp_available()
+    if bf16_matmul_outruns_f32():
         return False
     return cpu_ops.gemm_bf16_available()
 
@@ -227,13 +246,14 @@ class Linear:
     Call with ``x`` ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]`` in the weight's dtype.
     """
 
-    __slots__ = ("weight", "bias", "gemm", "packed", "out_features", "row_tile", "weight32", "bias32")
+    __slots__ = ("weight", "bias", "gemm", "gemm_dp", "packed", "out_features", "row_tile", "weight32", "bias32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int | None = None) -> None:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         self.gemm = pack_gemm_weight(self.weight) if uses_own_gemm(self.weight) else None
+        self.gemm_dp = self.gemm is not None and gemm_dot_products()  # the own GEMM's VDPBF16PS path
         self.packed = _pack(self.weight) if self.gemm is None and packs(self.weight, self.bias) else None
         self.row_tile = row_tile
         # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring)
@@ -244,7 +264,7 @@ class Linear:
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is not None and x.dtype == torch.bfloat16:
-            return cpu_ops.gemm_bf16(x, self.gemm, self.bias32)
+            return cpu_ops.gemm_bf16(x, self.gemm, self.bias32, self.gemm_dp)
         if self.weight32 is not None and x.shape[0] >= F32_MIN_ROWS:
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
         if self.packed is not None:

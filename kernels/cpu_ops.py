@@ -304,21 +304,29 @@ def gemm_bf16_available() -> bool:
     return available() and bool(load().gemm_bf16_available())
 
 
-def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_bf16_dp_available() -> bool:
+    """Whether ``gemm_bf16`` also has its VDPBF16PS path (``dot_products=True``: an AVX512-BF16 build)."""
+    return gemm_bf16_available() and bool(load().gemm_bf16_dp_available())
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+              dot_products: bool = False) -> torch.Tensor:
     """``x W^T (+ bias)`` for a bfloat16 weight packed by :func:`kernels.cpu_linear.pack_gemm_weight`:
-    float32 FMAs on weights widened in registers, one accumulator per output in k order (so a row's
-    result never depends on the other rows: see ``kernels/csrc/gemm_bf16_cpu.cpp``). Bit-identical to
-    :func:`kernels.torch_ops.gemm_bf16` (except the bits of a NaN).
+    float32 FMAs on weights widened in registers, or with ``dot_products`` VDPBF16PS on the bfloat16
+    pairs as they are; one accumulator per output in k order either way (so a row's result never depends
+    on the other rows: see ``kernels/csrc/gemm_bf16_cpu.cpp``). Bit-identical to
+    :func:`kernels.torch_ops.gemm_bf16` with the same ``dot_products`` (except the bits of a NaN).
 
     Args:
         x: ``[M, K]`` bfloat16 (a copy is made if its rows are not contiguous); packed: ``[N/16, K/2, 16, 2]``
-            bfloat16; bias: ``[N]`` (bfloat16 or float32) or None.
+            bfloat16; bias: ``[N]`` (bfloat16 or float32) or None; dot_products: the VDPBF16PS path.
 
     Returns:
         ``[M, N]`` bfloat16.
 
     Raises:
-        RuntimeError: on shapes or dtypes that do not match, or where :func:`gemm_bf16_available` is False.
+        RuntimeError: on shapes or dtypes that do not match, where :func:`gemm_bf16_available` is False,
+            or with ``dot_products`` where :func:`gemm_bf16_dp_available` is False.
     """
     if packed.dim() != 4:
         raise RuntimeError("gemm_bf16: packed must be [N/16, K/2, 16, 2] bfloat16")
@@ -327,7 +335,7 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
         x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run
     elif x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
-    load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias)
+    load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias, bool(dot_products))
     return out
 
 

@@ -228,7 +228,16 @@ def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.argmax(dim=-1), torch.isfinite(x).all(dim=-1)
 
 
-def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+_FLT_MIN = 2.0 ** -126  # the smallest normal float32
+
+
+def _flush(t: torch.Tensor) -> torch.Tensor:
+    """Values below the normal float32 range set to zero (denormals-are-zero / flush-to-zero)."""
+    return torch.where(t.abs() < _FLT_MIN, torch.zeros_like(t), t)
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              dot_products: bool = False) -> torch.Tensor:
     """``x W^T (+ bias)`` in the arithmetic of the C++ ``gemm_bf16`` (the reference of that op): one
     float32 accumulator per output, k = 0, 1, .. K-1 in order, one FMA each (the product is not rounded;
     emulated by a float64 sum, where a product of two bfloat16 values is exact, rounded to float32), then
@@ -237,16 +246,29 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     rounding midpoint (double rounding): never in the tests' data. NaN bits are not compared (the kernel
     writes the canonical 0x7fc0). One Python step per k: for tests, not for speed.
 
+    ``dot_products=True`` is the arithmetic of its VDPBF16PS path (AVX512-BF16): the same accumulator,
+    but each pair of k is added odd element first, ``acc + x[2p+1] W[2p+1]`` then ``+ x[2p] W[2p]``, with
+    inputs below the normal range read as zero and every sum below it flushed to zero (Intel's
+    definition of the instruction; checked on an AMD EPYC's, bit for bit).
+
     Args:
-        x: ``[M, K]`` bfloat16; weight: ``[N, K]`` bfloat16; bias: ``[N]`` bfloat16 or None.
+        x: ``[M, K]`` bfloat16 (K even for ``dot_products``); weight: ``[N, K]`` bfloat16; bias: ``[N]``
+            bfloat16 or None; dot_products: the VDPBF16PS arithmetic.
 
     Returns:
         ``[M, N]`` bfloat16.
     """
     xd, wd = x.double(), weight.double()
     acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
-    for k in range(x.shape[1]):
+    if dot_products:
+        xd, wd = _flush(xd), _flush(wd)
+        order = [k for p in range(x.shape[1] // 2) for k in (2 * p + 1, 2 * p)]
+    else:
+        order = list(range(x.shape[1]))
+    for k in order:
         acc = (acc.double() + xd[:, k : k + 1] * wd[None, :, k]).float()
+        if dot_products:
+            acc = _flush(acc)
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(torch.bfloat16)

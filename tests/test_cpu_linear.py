@@ -176,15 +176,21 @@ def test_kv_budget_fraction_leaves_room_for_the_float32_copies(monkeypatch):
 
 needs_gemm = pytest.mark.skipif(not (cpu_ops.available() and cpu_ops.gemm_bf16_available()),
                                 reason="the own bfloat16 GEMM needs the C++ extension on an AVX-512 CPU")
+# both arithmetic paths of the own GEMM: float32 FMAs, and VDPBF16PS where the build has it (AVX512-BF16)
+GEMM_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not (cpu_ops.available() and cpu_ops.gemm_bf16_dp_available()),
+    reason="the own GEMM's VDPBF16PS path needs an AVX512-BF16 CPU"))]
 
 
 @needs_gemm
+@pytest.mark.parametrize("dp", GEMM_PATHS)
 @pytest.mark.parametrize("m,n,k", [(1, 16, 2), (2, 16, 64), (5, 48, 10), (6, 96, 64), (7, 32, 30), (13, 80, 96),
                                    (200, 32, 24), (0, 16, 8)])
-def test_gemm_bf16_equals_its_torch_reference_bit_for_bit(m, n, k):
+def test_gemm_bf16_equals_its_torch_reference_bit_for_bit(m, n, k, dp):
     """The own GEMM equals kernels.torch_ops.gemm_bf16 (one float32 accumulator per output in k order,
-    bias last, one rounding), with and without a bias, for row counts on and off the 6-row micro-tile,
-    1-3 column blocks per thread and more than one 192-row panel; also for a strided view of x."""
+    bias last, one rounding; with dot_products each pair odd element first), with and without a bias,
+    for row counts on and off the 8-row micro-tile, 1-3 column blocks per thread and more than one
+    192-row panel; also for a strided view of x."""
     from kernels.cpu_linear import pack_gemm_weight
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -193,16 +199,17 @@ def test_gemm_bf16_equals_its_torch_reference_bit_for_bit(m, n, k):
     x = torch.randn(m, k, generator=g).bfloat16()
     packed = pack_gemm_weight(w)
     for bias in (None, b):
-        assert torch.equal(cpu_ops.gemm_bf16(x, packed, bias), torch_ops.gemm_bf16(x, w, bias))
+        assert torch.equal(cpu_ops.gemm_bf16(x, packed, bias, dp), torch_ops.gemm_bf16(x, w, bias, dp))
     wide = torch.randn(m, 2 * k, generator=g).bfloat16()
     view = wide[:, ::2]  # not contiguous: copied first
-    assert torch.equal(cpu_ops.gemm_bf16(view, packed, b), torch_ops.gemm_bf16(view, w, b))
+    assert torch.equal(cpu_ops.gemm_bf16(view, packed, b, dp), torch_ops.gemm_bf16(view, w, b, dp))
     rows = wide[:, :k]  # contiguous rows, row stride 2k: read in place
-    assert torch.equal(cpu_ops.gemm_bf16(rows, packed, b), torch_ops.gemm_bf16(rows, w, b))
+    assert torch.equal(cpu_ops.gemm_bf16(rows, packed, b, dp), torch_ops.gemm_bf16(rows, w, b, dp))
 
 
 @needs_gemm
-def test_gemm_bf16_row_results_do_not_depend_on_other_rows_or_threads():
+@pytest.mark.parametrize("dp", GEMM_PATHS)
+def test_gemm_bf16_row_results_do_not_depend_on_other_rows_or_threads(dp):
     """A row's output is the same whatever rows share the call, at any place in the tile, and with 1 or
     more threads (batch invariant by construction), and it is close to the float64 product."""
     from kernels.cpu_linear import pack_gemm_weight
@@ -211,15 +218,15 @@ def test_gemm_bf16_row_results_do_not_depend_on_other_rows_or_threads():
     w = torch.randn(960, 576, generator=g).bfloat16()
     x = torch.randn(64, 576, generator=g).bfloat16()
     packed = pack_gemm_weight(w)
-    full = cpu_ops.gemm_bf16(x, packed)
+    full = cpu_ops.gemm_bf16(x, packed, None, dp)
     for lo, hi in ((10, 11), (10, 15), (3, 10), (0, 37), (61, 64)):
-        assert torch.equal(cpu_ops.gemm_bf16(x[lo:hi], packed), full[lo:hi])
+        assert torch.equal(cpu_ops.gemm_bf16(x[lo:hi], packed, None, dp), full[lo:hi])
     shuffled = torch.randperm(64, generator=g)
-    assert torch.equal(cpu_ops.gemm_bf16(x[shuffled], packed), full[shuffled])
+    assert torch.equal(cpu_ops.gemm_bf16(x[shuffled], packed, None, dp), full[shuffled])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_ops.gemm_bf16(x, packed), full)
+        assert torch.equal(cpu_ops.gemm_bf16(x, packed, None, dp), full)
     finally:
         torch.set_num_threads(threads)
     exact = x.double() @ w.double().T
@@ -227,7 +234,8 @@ def test_gemm_bf16_row_results_do_not_depend_on_other_rows_or_threads():
 
 
 @needs_gemm
-def test_gemm_bf16_keeps_nan_and_inf_and_rounds_halfway_sums_to_even():
+@pytest.mark.parametrize("dp", GEMM_PATHS)
+def test_gemm_bf16_keeps_nan_and_inf_and_rounds_halfway_sums_to_even(dp):
     """NaN stays NaN, infinities stay infinite, overflow gives an infinity, and a float32 sum halfway
     between two bfloat16 values goes to the even one, as torch's conversion does."""
     from kernels.cpu_linear import pack_gemm_weight
@@ -237,18 +245,19 @@ def test_gemm_bf16_keeps_nan_and_inf_and_rounds_halfway_sums_to_even():
     w[:, 1] = 2 ** -8
     x = torch.tensor([[1, 1], [1, 3], [float("inf"), 1], [float("-inf"), 1], [float("nan"), 1], [3e38, 3e38 * 256]],
                      dtype=torch.float32).bfloat16()
-    y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w))[:, 0].float()
+    y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp)[:, 0].float()
     # 1 + 2^-8 ties to 1 (even); 1 + 3 * 2^-8 ties to 1 + 2^-6 (even)
     assert y[0] == 1 and y[1] == 1 + 2 ** -6
     assert y[2] == float("inf") and y[3] == float("-inf") and y[4].isnan() and y[5] == float("inf")
-    ref = torch_ops.gemm_bf16(x, w)[:, 0].float()
+    ref = torch_ops.gemm_bf16(x, w, None, dp)[:, 0].float()
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()])
 
 
 def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     """Where own_gemm_cpu holds, a bfloat16 Linear with a 16-column multiple runs the own GEMM (no oneDNN
-    pack, no float32 copy) and ignores a row tile (the GEMM is batch invariant as it is); other shapes
-    and float32 weights keep the other paths; CBP_CPU_OWN_GEMM=0, AMX and AMD's AVX512-BF16 turn it off."""
+    pack, no float32 copy; its VDPBF16PS path where gemm_dot_products holds) and ignores a row tile (the
+    GEMM is batch invariant as it is); other shapes and float32 weights keep the other paths;
+    CBP_CPU_OWN_GEMM=0 and AMX turn it off, and AMD's AVX512-BF16 needs the VDPBF16PS path."""
     from kernels import cpu_linear
     from kernels.cpu_linear import Linear
 
@@ -258,9 +267,12 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     x = torch.randn(9, 64, generator=g).bfloat16()
     if cpu_ops.available() and cpu_ops.gemm_bf16_available():
         monkeypatch.setattr(cpu_linear, "own_gemm_cpu", lambda: True)
-        lin = Linear(w, b, row_tile=4)
-        assert lin.gemm is not None and lin.packed is None and lin.weight32 is None
-        assert torch.equal(lin(x), torch_ops.gemm_bf16(x, w, b))
+        for dp in (False, True) if cpu_ops.gemm_bf16_dp_available() else (False,):
+            monkeypatch.setattr(cpu_linear, "gemm_dot_products", lambda dp=dp: dp)
+            lin = Linear(w, b, row_tile=4)
+            assert lin.gemm is not None and lin.packed is None and lin.weight32 is None and lin.gemm_dp is dp
+            assert torch.equal(lin(x), torch_ops.gemm_bf16(x, w, b, dp))
+        monkeypatch.setattr(cpu_linear, "gemm_dot_products", lambda: False)
         with monkeypatch.context() as m:
             m.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
             odd = Linear(torch.randn(40, 64).bfloat16())  # 40 columns: not a multiple of 16
@@ -270,29 +282,73 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     assert Linear(w, b).gemm is None
     monkeypatch.undo()
     rule = cpu_linear.own_gemm_cpu.__wrapped__  # the uncached rule
+    monkeypatch.setattr(cpu_linear, "gemm_dot_products", lambda: False)
     monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)
     assert rule() is False
     monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: False)
     assert rule() is (cpu_ops.available() and cpu_ops.gemm_bf16_available())
+    monkeypatch.setattr(cpu_linear, "gemm_dot_products", lambda: True)
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)
+    assert rule() is (cpu_ops.available() and cpu_ops.gemm_bf16_dp_available())
     monkeypatch.setenv("CBP_CPU_OWN_GEMM", "0")
     assert rule() is False
 
 
+@pytest.mark.parametrize("vendor,flags,dp", [
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
+    ("AuthenticAMD", "avx2 avx512f", False),
+    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
+    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", False),
+    ("", "", False),
+])
+def test_gemm_dot_products_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, dp):
+    """The own GEMM's VDPBF16PS path is chosen for AMD CPUs with AVX512-BF16 only (CPU flags and vendor)."""
+    from kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_cpuinfo", lambda: (vendor, flags))
+    cpu_linear.gemm_dot_products.cache_clear()
+    try:
+        assert cpu_linear.gemm_dot_products() is dp
+    finally:
+        cpu_linear.gemm_dot_products.cache_clear()
+
+
 @needs_gemm
-def test_gemm_bf16_extreme_products_follow_one_fma_per_step():
+@pytest.mark.parametrize("dp", GEMM_PATHS)
+def test_gemm_bf16_extreme_products_follow_one_fma_per_step(dp):
     """Products that overflow float32 or fall below its normal range are not rounded before the sum (one
     FMA per step), as the reference emulates: found by a break-it review, where a rounded-product
-    reference disagreed."""
+    reference disagreed. With dot_products: subnormal inputs read as zero and subnormal sums flushed."""
     from kernels.cpu_linear import pack_gemm_weight
 
     cases = [([-(2.0 ** 63), 2.0 ** 64], [2.0 ** 64, 2.0 ** 64]),  # an overflowing product, then back in range
              ([2.0 ** 64, -(2.0 ** 64)], [2.0 ** 64, 2.0 ** 64]),  # inf - inf inside one FMA chain
-             ([2.0 ** -67, 2.0 ** -75, 3 * 2.0 ** -75, 0.0], [2.0 ** -67, -(2.0 ** -74), 2.0 ** -75, 0.0])]
+             ([2.0 ** -67, 2.0 ** -75, 3 * 2.0 ** -75, 0.0], [2.0 ** -67, -(2.0 ** -74), 2.0 ** -75, 0.0]),
+             ([2.0 ** -64, 0.0], [2.0 ** -64, 0.0]),  # a subnormal product
+             ([2.0 ** -64, 1.0], [2.0 ** -64, 2.0 ** -120]),  # a subnormal product plus a small normal one
+             ([2.0 ** -127, 1.0], [1.0, 0.0]),  # a subnormal input
+             ([1.0, 2.0 ** -60], [2.0 ** -100, -(2.0 ** -100)])]  # the pair order decides the rounding
     for xv, wv in cases:
         x = torch.tensor([xv]).bfloat16()
         w = torch.tensor([wv] * 16).bfloat16()
-        y, ref = cpu_ops.gemm_bf16(x, pack_gemm_weight(w)).float(), torch_ops.gemm_bf16(x, w).float()
+        y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp).float()
+        ref = torch_ops.gemm_bf16(x, w, None, dp).float()
         assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()]), (xv, y, ref)
+
+
+@needs_gemm
+@pytest.mark.parametrize("dp", GEMM_PATHS)
+def test_gemm_bf16_pair_order_is_the_references_on_long_sums(dp):
+    """On 65,536 sums of 1,536 products each, the own GEMM and its reference agree bit for bit, while the
+    reference of the other pair order does not (so the tests above would notice a wrong order)."""
+    from kernels.cpu_linear import pack_gemm_weight
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 1536, generator=g).bfloat16()
+    w = torch.randn(1024, 1536, generator=g).bfloat16()
+    y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp)
+    assert torch.equal(y, torch_ops.gemm_bf16(x, w, None, dp))
+    assert not torch.equal(y, torch_ops.gemm_bf16(x, w, None, not dp))
 
 
 @needs_gemm

@@ -1,6 +1,6 @@
-// A GEMM for the bfloat16 linears of the engine's CPU forward, on AVX-512 float32 FMAs:
+// A GEMM for the bfloat16 linears of the engine's CPU forward, on AVX-512 float32 FMAs (or VDPBF16PS):
 //
-//   gemm_bf16(out, x, packed, bias)   out[m, n] = bf16( sum_k x[m, k] * W[n, k]  (+ bias[n]) )
+//   gemm_bf16(out, x, packed, bias, dot_products)   out[m, n] = bf16( sum_k x[m, k] * W[n, k]  (+ bias[n]) )
 //
 //   x       [M, K]  bfloat16, rows contiguous (any row stride), K even
 //   packed  [N / 16, K / 2, 16, 2] bfloat16: W [N, K] in blocks of 16 output columns; a block holds, for
@@ -8,6 +8,7 @@
 //           brings 2 values of k for 16 columns (kernels/cpu_linear.py `pack_gemm_weight` builds it)
 //   bias    [N] bfloat16 (or float32), or an empty tensor for none
 //   out     [M, N]  bfloat16, rows contiguous (any row stride)
+//   dot_products: VDPBF16PS micro-tiles instead of float32 FMAs (AVX512-BF16 builds; see below)
 //
 // Why: on a 2-core Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bfloat16 GEMM ran a decode step's
 // linears (SmolLM2, weights streamed from memory) at 65-128 GFLOP/s at 8-64 rows and MKL's float32 GEMM
@@ -16,6 +17,14 @@
 // bfloat16 weights is to widen them to float32 in registers (a bfloat16 is the upper half of a float32:
 // one shift or one mask) and use FMAs, reading 2 bytes per weight from memory. Measured on the same
 // step: 107-196 GFLOP/s at 8-64 rows, 1.4-1.7x the faster library (`python -m bench.cpu_linears`).
+//
+// On AMD CPUs with AVX512-BF16 (Zen 4 / 5) it is the other way round: VDPBF16PS runs at twice the float32
+// FMA rate, and `dot_products` selects micro-tiles that feed the packed pairs to it as they are (x is not
+// widened): the step's linears at 16-128 rows took 1.1-1.4x less time than oneDNN's bfloat16 GEMM on a
+// 2-vCPU EPYC, level at 512. Each instruction adds, per output, x[m, 2p+1] W[n, 2p+1] and then
+// x[m, 2p] W[n, 2p] to the accumulator (odd element first; inputs and sums below float32's normal range
+// flushed to zero), so the k order below holds with that pair order (kernels.torch_ops.gemm_bf16 with
+// dot_products=True is its reference; checked bit for bit on an EPYC).
 //
 // Arithmetic: every output keeps one float32 accumulator that runs over k = 0, 1, .. K-1 in this order,
 // one FMA each (the product of two bfloat16 values is exact in float32 unless it overflows or falls
@@ -117,21 +126,73 @@ inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs
   }
 }
 
+#if defined(__AVX512BF16__)
+#define CBP_GEMM_DP 1
+// The same micro-tile on VDPBF16PS: x stays bfloat16 (X = uint16_t, row stride xs elements) and each
+// instruction adds the two products of a pair of k, x[m, 2p] W[n, 2p] + x[m, 2p + 1] W[n, 2p + 1], to the
+// float32 accumulator of output (m, n): still one accumulator per output over p = 0 .. K/2 - 1 in this
+// order, the same instructions for a row whatever the tile it sits in, so batch invariant as well.
+template <int MR, int NR>
+inline void micro_tile_dp(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t bs, int64_t K2,
+                          const float* bias, uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    for (int j = 0; j < next_blocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * bs + p * 32), _MM_HINT_T1);
+    __m512i b[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(w + j * bs + p * 32);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + i * xs + 2 * p));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m512 v = acc[i][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+      Store<at::BFloat16>::vec(reinterpret_cast<at::BFloat16*>(out + i * os + 16 * j), (vfloat)v);  // nearest even
+    }
+  }
+}
+#else
+#define CBP_GEMM_DP 0
+#endif
+
+template <int MR, int NR, bool DP, typename X>
+inline void tile(const X* x, int64_t xs, const uint16_t* w, int64_t bs, int64_t K2, const float* bias,
+                 uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
+#if CBP_GEMM_DP
+  if constexpr (DP) {
+    micro_tile_dp<MR, NR>(x, xs, w, bs, K2, bias, out, os, next, next_blocks);
+    return;
+  }
+#endif
+  if constexpr (!DP) micro_tile<MR, NR>(x, xs, w, bs, K2, bias, out, os, next, next_blocks);
+}
+
 // All row tiles of M rows against one group of NR blocks; the first tile also prefetches the next group
 // (next_blocks blocks at next; 0 for none).
-template <int NR>
-void row_tiles(const float* x, int64_t xs, int64_t M, const uint16_t* w, int64_t bs, int64_t K2,
+template <int NR, bool DP, typename X>
+void row_tiles(const X* x, int64_t xs, int64_t M, const uint16_t* w, int64_t bs, int64_t K2,
                const float* bias, uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
   int64_t m = 0;
   for (; m + kMaxRows <= M; m += kMaxRows) {
-    micro_tile<kMaxRows, NR>(x + m * xs, xs, w, bs, K2, bias, out + m * os, os, next, next_blocks);
+    tile<kMaxRows, NR, DP>(x + m * xs, xs, w, bs, K2, bias, out + m * os, os, next, next_blocks);
     next_blocks = 0;
   }
-  const float* xr = x + m * xs;
+  const X* xr = x + m * xs;
   uint16_t* o = out + m * os;
   switch (M - m) {
 #define CBP_GEMM_TAIL(r) \
-    case r: if constexpr (r < kMaxRows) micro_tile<r, NR>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
+    case r: if constexpr (r < kMaxRows) tile<r, NR, DP>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
     CBP_GEMM_TAIL(1) CBP_GEMM_TAIL(2) CBP_GEMM_TAIL(3) CBP_GEMM_TAIL(4) CBP_GEMM_TAIL(5) CBP_GEMM_TAIL(6)
     CBP_GEMM_TAIL(7) CBP_GEMM_TAIL(8) CBP_GEMM_TAIL(9) CBP_GEMM_TAIL(10) CBP_GEMM_TAIL(11)
 #undef CBP_GEMM_TAIL
@@ -153,13 +214,14 @@ void widen_rows(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, float* 
   });
 }
 
-void gemm_impl(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
+template <bool DP, typename X>
+void gemm_impl(const X* x, int64_t xs, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
                uint16_t* out, int64_t os) {
   const int64_t K2 = K / 2, bs = K * 16;  // elements per 16-column block
   at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
       const int64_t rows = std::min(kPanelRows, M - m0);
-      const float* xp = x + m0 * K;
+      const X* xp = x + m0 * xs;
       uint16_t* op = out + m0 * os;
       for (int64_t b0 = first; b0 < last; b0 += kMaxBlocks) {
         const int nr = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - b0));
@@ -171,10 +233,10 @@ void gemm_impl(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
         const int nnext = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - nb0));
         const uint16_t* next = w + nb0 * bs;
         switch (nr) {
-          case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          case 2: row_tiles<2>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          default: row_tiles<1>(xp, K, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          case 2: row_tiles<2, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+          default: row_tiles<1, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
         }
       }
     }
@@ -187,8 +249,15 @@ void gemm_impl(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
 
 bool gemm_bf16_available() { return CBP_GEMM_AVX512 != 0; }
 
-void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+#if CBP_GEMM_AVX512
+bool gemm_bf16_dp_available() { return CBP_GEMM_DP != 0; }
+#else
+bool gemm_bf16_dp_available() { return false; }
+#endif
+
+void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool dot_products) {
   TORCH_CHECK(gemm_bf16_available(), "gemm_bf16: this build has no AVX-512");
+  TORCH_CHECK(!dot_products || gemm_bf16_dp_available(), "gemm_bf16: this build has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.device().is_cpu(),
               "gemm_bf16: x must be a CPU bfloat16 [M, K] tensor with contiguous rows");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.device().is_cpu() &&
@@ -204,18 +273,28 @@ void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::
   }
   if (M == 0 || N == 0) return;
 #if CBP_GEMM_AVX512
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#if CBP_GEMM_DP
+  if (dot_products) {
+    gemm_impl<true>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, w, NB, b, o,
+                    out.stride(0));
+    return;
+  }
+#endif
   const torch::Tensor x32 = torch::empty({M, K}, x.options().dtype(at::kFloat));  // x widened once
   widen_rows(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, x32.data_ptr<float>());
-  gemm_impl(x32.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), NB,
-            bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0));
+  gemm_impl<false>(x32.data_ptr<float>(), K, M, K, w, NB, b, o, out.stride(0));
 #endif
 }
 
 void register_gemm_ops(pybind11::module& m) {
-  m.def("gemm_bf16", &gemm_bf16, "out = x W^T (+ bias): bfloat16 weights, float32 FMAs, AVX-512 (CPU)",
+  m.def("gemm_bf16", &gemm_bf16, "out = x W^T (+ bias): bfloat16 weights, float32 FMAs or VDPBF16PS, AVX-512 (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_bf16_available", &gemm_bf16_available, "whether gemm_bf16 was compiled (AVX-512)");
+  m.def("gemm_bf16_dp_available", &gemm_bf16_dp_available,
+        "whether gemm_bf16 has its VDPBF16PS micro-kernels (dot_products=True: AVX512-BF16)");
 }
 
 }  // namespace cbp
