@@ -18,8 +18,7 @@ path this CPU has:
 
 The paths alternate within each row count (one pass of each, repeated), and the median pass is
 reported with its GFLOP/s and the ratio of the best other path's time to the faster own path's. It
-prints the CPU's
-name, its vector flags and the thread count: compare ratios from one run, not times across machines.
+prints the CPU's name, its vector flags and the thread count: compare ratios from one run, not times across machines.
 """
 
 from __future__ import annotations
