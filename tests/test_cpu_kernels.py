@@ -143,11 +143,13 @@ def test_paged_attention_long_prefill_chunks(ext):
         check(b)
 
 
-@pytest.mark.parametrize("bf16_dot", ["0", "1"])
-def test_bfloat16_paths_mixed_batch_and_long_chunks(ext, monkeypatch, bf16_dot):
-    """Both bfloat16 paths: float32 products (default) and, where the CPU has AVX512-BF16, the opt-in
-    bf16 dot products (``CBP_CPU_BF16_DOT=1``), on decode rows mixed with long chunked-prefill chunks."""
+@pytest.mark.parametrize("bf16_dot,qk_dot", [("0", "0"), ("0", "1"), ("1", "0")])
+def test_bfloat16_paths_mixed_batch_and_long_chunks(ext, monkeypatch, bf16_dot, qk_dot):
+    """The bfloat16 paths: float32 products, and where the CPU has AVX512-BF16 the Q K^T dot products
+    (``CBP_CPU_QK_DOT=1``, the default on AMD) and the opt-in bf16 dot products (``CBP_CPU_BF16_DOT=1``),
+    on decode rows mixed with long chunked-prefill chunks."""
     monkeypatch.setenv("CBP_CPU_BF16_DOT", bf16_dot)
+    monkeypatch.setenv("CBP_CPU_QK_DOT", qk_dot)
     seed = _seed()
     rng = random.Random(seed)
     seqs = random_seqs(rng, 16, decode=4, chunks=1, prompts=1, max_ctx=300, max_q=24) + [(700, 380)]
@@ -172,12 +174,15 @@ def test_thread_count_does_not_change_results(ext):
     assert torch.equal(one, two), seed
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 80), (torch.float16, 64),
-                                            (torch.float32, 64)])
-def test_decode_row_equals_the_same_row_in_a_prefill_chunk(ext, dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,qk_dot", [(torch.bfloat16, 64, "0"), (torch.bfloat16, 80, "0"),
+                                                   (torch.bfloat16, 64, "1"), (torch.bfloat16, 80, "1"),
+                                                   (torch.float16, 64, "0"), (torch.float32, 64, "0")])
+def test_decode_row_equals_the_same_row_in_a_prefill_chunk(ext, monkeypatch, dtype, head_dim, qk_dot):
     """The last query row of a prefill chunk and the same row run as a decode row (q_len 1, the decode
-    tiles' own packing and P V paths) give identical bits: chunked prefill and prefix-cache hits, which
-    turn a prompt's last row into a one-row step, cannot change a token."""
+    tiles' own packing and P V paths) give identical bits, with float32 Q K^T and with the Q K^T dot
+    products (``CBP_CPU_QK_DOT``): chunked prefill and prefix-cache hits, which turn a prompt's last row
+    into a one-row step, cannot change a token."""
+    monkeypatch.setenv("CBP_CPU_QK_DOT", qk_dot)
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     kvh, group, bs, ctx, qlen = 3, 3, 16, 203, 37
