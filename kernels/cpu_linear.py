@@ -28,8 +28,8 @@ in k order. Measured on the 2-core Xeon above (``python -m bench.cpu_linears``),
 of a step took 1.25-1.69x less time than the better of oneDNN bfloat16 and MKL float32 at 1-96 rows and
 1.05x less at 512, without the float32 copies; and a row's result does not depend on the other rows, so batch-invariant mode needs no
 row tiles there. On AMD CPUs with AVX512-BF16 (:func:`gemm_dot_products`) the same GEMM multiplies the
-packed pairs with VDPBF16PS instead, still one accumulator per output in k order: 1.1-1.4x oneDNN's
-bfloat16 GEMM at 16-128 rows on a 2-vCPU EPYC. ``CBP_CPU_OWN_GEMM=0`` turns it off.
+packed pairs with VDPBF16PS instead, still one accumulator per output, k pair by pair (the odd
+element of a pair first): 1.2-1.4x oneDNN's bfloat16 GEMM at 8-128 rows on a 2-vCPU EPYC, level at 512. ``CBP_CPU_OWN_GEMM=0`` turns it off.
 
 :func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
 replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
@@ -141,7 +141,7 @@ def gemm_dot_products() -> bool:
 def own_gemm_cpu() -> bool:
     """Whether bfloat16 linears on this CPU use the engine's own GEMM (``kernels/csrc/gemm_bf16_cpu.cpp``).
     With :func:`gemm_dot_products` (AMD's AVX512-BF16) when the extension has the VDPBF16PS path: measured
-    1.1-1.4x oneDNN's bfloat16 GEMM at 16-128 rows and level at 512 on a 2-vCPU EPYC. Otherwise when
+    1.2-1.4x oneDNN's bfloat16 GEMM at 8-128 rows and level at 512 on a 2-vCPU EPYC. Otherwise when
     :func:`bf16_matmul_outruns_f32` is False (AMX keeps oneDNN's tile GEMM, far faster) and the extension
     loads with its AVX-512 ``gemm_bf16``. Decided from the CPU's flags and the build, never from a timing;
     ``CBP_CPU_OWN_GEMM=0`` turns it off. Read once per process (may build the extension, about a minute

@@ -232,8 +232,9 @@ _FLT_MIN = 2.0 ** -126  # the smallest normal float32
 
 
 def _flush(t: torch.Tensor) -> torch.Tensor:
-    """Values below the normal float32 range set to zero (denormals-are-zero / flush-to-zero)."""
-    return torch.where(t.abs() < _FLT_MIN, torch.zeros_like(t), t)
+    """Values below the normal float32 range set to a zero of their sign (denormals-are-zero /
+    flush-to-zero, as the instruction does: -tiny becomes -0)."""
+    return torch.where(t.abs() < _FLT_MIN, t * 0, t)
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -257,10 +258,15 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
     Returns:
         ``[M, N]`` bfloat16.
+
+    Raises:
+        ValueError: ``dot_products`` with an odd K.
     """
     xd, wd = x.double(), weight.double()
     acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
     if dot_products:
+        if x.shape[1] % 2:
+            raise ValueError(f"gemm_bf16: dot_products needs an even K, got {x.shape[1]}")
         xd, wd = _flush(xd), _flush(wd)
         order = [k for p in range(x.shape[1] // 2) for k in (2 * p + 1, 2 * p)]
     else:

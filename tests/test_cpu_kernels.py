@@ -143,11 +143,17 @@ def test_paged_attention_long_prefill_chunks(ext):
         check(b)
 
 
+def _has_bf16dp(ext) -> bool:
+    return "+bf16dp" in ext.isa()
+
+
 @pytest.mark.parametrize("bf16_dot,qk_dot", [("0", "0"), ("0", "1"), ("1", "0")])
 def test_bfloat16_paths_mixed_batch_and_long_chunks(ext, monkeypatch, bf16_dot, qk_dot):
     """The bfloat16 paths: float32 products, and where the CPU has AVX512-BF16 the Q K^T dot products
     (``CBP_CPU_QK_DOT=1``, the default on AMD) and the opt-in bf16 dot products (``CBP_CPU_BF16_DOT=1``),
     on decode rows mixed with long chunked-prefill chunks."""
+    if "1" in (bf16_dot, qk_dot) and not _has_bf16dp(ext):
+        pytest.skip("the dot-product paths need an AVX512-BF16 build")
     monkeypatch.setenv("CBP_CPU_BF16_DOT", bf16_dot)
     monkeypatch.setenv("CBP_CPU_QK_DOT", qk_dot)
     seed = _seed()
@@ -155,6 +161,22 @@ def test_bfloat16_paths_mixed_batch_and_long_chunks(ext, monkeypatch, bf16_dot, 
     seqs = random_seqs(rng, 16, decode=4, chunks=1, prompts=1, max_ctx=300, max_q=24) + [(700, 380)]
     b = Batch(seed, seqs, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16, device="cpu")
     check(b)
+
+
+def test_qk_dot_products_switch_changes_the_path(ext, monkeypatch):
+    """CBP_CPU_QK_DOT=1 and =0 run different Q K^T arithmetic on bfloat16 caches (some output bits
+    differ, all within the oracle's tolerance), where the build has AVX512-BF16."""
+    if not _has_bf16dp(ext):
+        pytest.skip("the Q K^T dot products need an AVX512-BF16 build")
+    seed = _seed()
+    b = Batch(seed, [(300, 1)] * 8 + [(400, 200)], block_size=16, num_kv_heads=3, group=3, head_dim=64,
+              dtype=torch.bfloat16, device="cpu")
+    out = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("CBP_CPU_QK_DOT", v)
+        out[v] = cpu_ops.paged_attention(*b.args())
+        check(b)
+    assert not torch.equal(out["0"], out["1"]), seed
 
 
 def test_thread_count_does_not_change_results(ext):
@@ -182,6 +204,8 @@ def test_decode_row_equals_the_same_row_in_a_prefill_chunk(ext, monkeypatch, dty
     tiles' own packing and P V paths) give identical bits, with float32 Q K^T and with the Q K^T dot
     products (``CBP_CPU_QK_DOT``): chunked prefill and prefix-cache hits, which turn a prompt's last row
     into a one-row step, cannot change a token."""
+    if qk_dot == "1" and not _has_bf16dp(ext):
+        pytest.skip("the Q K^T dot products need an AVX512-BF16 build")
     monkeypatch.setenv("CBP_CPU_QK_DOT", qk_dot)
     seed = _seed()
     g = torch.Generator().manual_seed(seed)

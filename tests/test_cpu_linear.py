@@ -327,13 +327,17 @@ def test_gemm_bf16_extreme_products_follow_one_fma_per_step(dp):
              ([2.0 ** -64, 0.0], [2.0 ** -64, 0.0]),  # a subnormal product
              ([2.0 ** -64, 1.0], [2.0 ** -64, 2.0 ** -120]),  # a subnormal product plus a small normal one
              ([2.0 ** -127, 1.0], [1.0, 0.0]),  # a subnormal input
-             ([1.0, 2.0 ** -60], [2.0 ** -100, -(2.0 ** -100)])]  # the pair order decides the rounding
+             ([1.0, 2.0 ** -60], [2.0 ** -100, -(2.0 ** -100)]),  # the pair order decides the rounding
+             ([-(2.0 ** -70), 0.0], [2.0 ** -70, 0.0])]  # a negative sum flushed: -0, sign kept
     for xv, wv in cases:
         x = torch.tensor([xv]).bfloat16()
         w = torch.tensor([wv] * 16).bfloat16()
-        y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp).float()
-        ref = torch_ops.gemm_bf16(x, w, None, dp).float()
+        y16 = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp)
+        r16 = torch_ops.gemm_bf16(x, w, None, dp)
+        y, ref = y16.float(), r16.float()
         assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()]), (xv, y, ref)
+        finite = ~y.isnan()
+        assert torch.equal(y16.view(torch.int16)[finite], r16.view(torch.int16)[finite]), (xv, y16, r16)  # signed zeros
 
 
 @needs_gemm
@@ -347,8 +351,14 @@ def test_gemm_bf16_pair_order_is_the_references_on_long_sums(dp):
     x = torch.randn(64, 1536, generator=g).bfloat16()
     w = torch.randn(1024, 1536, generator=g).bfloat16()
     y = cpu_ops.gemm_bf16(x, pack_gemm_weight(w), None, dp)
-    assert torch.equal(y, torch_ops.gemm_bf16(x, w, None, dp))
+    assert torch.equal(y.view(torch.int16), torch_ops.gemm_bf16(x, w, None, dp).view(torch.int16))
     assert not torch.equal(y, torch_ops.gemm_bf16(x, w, None, not dp))
+    tiny = (x.float() * 1e-19).bfloat16()  # sums below float32's normal range: flushed with their sign
+    yt = cpu_ops.gemm_bf16(tiny, pack_gemm_weight(w), None, dp)
+    assert torch.equal(yt.view(torch.int16), torch_ops.gemm_bf16(tiny, w, None, dp).view(torch.int16))
+    if dp:
+        with pytest.raises(ValueError, match="even K"):
+            torch_ops.gemm_bf16(x[:, :3], w[:, :3], None, True)
 
 
 @needs_gemm

@@ -20,7 +20,7 @@
 //
 // On AMD CPUs with AVX512-BF16 (Zen 4 / 5) it is the other way round: VDPBF16PS runs at twice the float32
 // FMA rate, and `dot_products` selects micro-tiles that feed the packed pairs to it as they are (x is not
-// widened): the step's linears at 16-128 rows took 1.1-1.4x less time than oneDNN's bfloat16 GEMM on a
+// widened): the step's linears at 8-128 rows took 1.2-1.4x less time than oneDNN's bfloat16 GEMM on a
 // 2-vCPU EPYC, level at 512. Each instruction adds, per output, x[m, 2p+1] W[n, 2p+1] and then
 // x[m, 2p] W[n, 2p] to the accumulator (odd element first; inputs and sums below float32's normal range
 // flushed to zero), so the k order below holds with that pair order (kernels.torch_ops.gemm_bf16 with
@@ -36,7 +36,9 @@
 // Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for
 // Rapidly Instantiating BLAS Functionality", ACM TOMS 2015): a micro-tile is MR <= 8 rows x NR <= 3
 // column blocks, 24 zmm accumulators; per pair of k it loads NR weight vectors, widens each into an even
-// and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call). Each row
+// and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call); the
+// VDPBF16PS tiles instead broadcast MR pairs of x (bfloat16, not widened) and feed the weight vectors as
+// they are. Each row
 // tile reads its group's weights once more, so 8 rows (a decode step of 8 chats in one tile) ran the
 // step's linears 1.17-1.25x faster than 6 (6 + 2), and 12-512 rows 1.03-1.09x; widening a group to float32
 // once per panel instead of in every tile gained nothing (one process A/B on the 2-core Xeon above). The
@@ -49,6 +51,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_vec.h"
 
@@ -129,9 +132,9 @@ inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs
 #if defined(__AVX512BF16__)
 #define CBP_GEMM_DP 1
 // The same micro-tile on VDPBF16PS: x stays bfloat16 (X = uint16_t, row stride xs elements) and each
-// instruction adds the two products of a pair of k, x[m, 2p] W[n, 2p] + x[m, 2p + 1] W[n, 2p + 1], to the
-// float32 accumulator of output (m, n): still one accumulator per output over p = 0 .. K/2 - 1 in this
-// order, the same instructions for a row whatever the tile it sits in, so batch invariant as well.
+// instruction adds the two products of a pair of k to the float32 accumulator of output (m, n), first
+// x[m, 2p + 1] W[n, 2p + 1], then x[m, 2p] W[n, 2p]: still one accumulator per output over p = 0 .. K/2 - 1
+// in this order, the same instructions for a row whatever the tile it sits in, so batch invariant as well.
 template <int MR, int NR>
 inline void micro_tile_dp(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t bs, int64_t K2,
                           const float* bias, uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
@@ -147,7 +150,9 @@ inline void micro_tile_dp(const uint16_t* x, int64_t xs, const uint16_t* w, int6
     for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(w + j * bs + p * 32);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + i * xs + 2 * p));
+      int32_t pair;  // x[m, 2p], x[m, 2p + 1] (memcpy: any alignment, no aliasing of the uint16_t data)
+      std::memcpy(&pair, x + i * xs + 2 * p, sizeof(pair));
+      const __m512i a = _mm512_set1_epi32(pair);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
     }
