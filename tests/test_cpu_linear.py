@@ -97,19 +97,24 @@ def test_engine_linear_matches_f_linear():
 # ------------------------------------------------------------------------------------------------
 # the logits pass of the sampler and the fault check
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("vendor,flags,fast", [
-    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
-    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
-    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
-    ("AuthenticAMD", "avx2 fma", False),
-    ("", "", False),
+@pytest.mark.parametrize("vendor,flags,fast,dp", [
+    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True, False),
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True, True),
+    ("GenuineIntel", "avx2 avx512f avx512_bf16", False, False),
+    ("AuthenticAMD", "avx2 avx512f", False, False),
+    ("AuthenticAMD", "avx2 fma", False, False),
+    ("", "", False, False),
 ])
-def test_bf16_matmul_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, fast):
+def test_bf16_matmul_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, fast, dp):
+    """Both flag rules: whether bfloat16 matmuls outrun float32 ones, and whether the own GEMM uses
+    VDPBF16PS (AMD CPUs with AVX512-BF16 only)."""
     from kernels import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_cpuinfo", lambda: (vendor, flags))
     cpu_linear.bf16_matmul_outruns_f32.cache_clear()
+    cpu_linear.gemm_dot_products.cache_clear()
     try:
+        assert cpu_linear.gemm_dot_products() is dp
         assert cpu_linear.bf16_matmul_outruns_f32() is fast
         w = torch.zeros(4, 4, dtype=torch.bfloat16)
         assert cpu_linear.f32_compute(w) is (not fast)
@@ -118,6 +123,7 @@ def test_bf16_matmul_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, fl
         assert not cpu_linear.f32_compute(w)
     finally:
         cpu_linear.bf16_matmul_outruns_f32.cache_clear()
+        cpu_linear.gemm_dot_products.cache_clear()
 
 
 def test_linear_multiplies_many_rows_in_float32_where_bf16_matmuls_are_slow(monkeypatch):
@@ -292,25 +298,6 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     assert rule() is (cpu_ops.available() and cpu_ops.gemm_bf16_dp_available())
     monkeypatch.setenv("CBP_CPU_OWN_GEMM", "0")
     assert rule() is False
-
-
-@pytest.mark.parametrize("vendor,flags,dp", [
-    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),
-    ("AuthenticAMD", "avx2 avx512f", False),
-    ("GenuineIntel", "avx2 avx512f avx512_bf16", False),
-    ("GenuineIntel", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile", False),
-    ("", "", False),
-])
-def test_gemm_dot_products_rule_is_decided_by_flags_and_vendor(monkeypatch, vendor, flags, dp):
-    """The own GEMM's VDPBF16PS path is chosen for AMD CPUs with AVX512-BF16 only (CPU flags and vendor)."""
-    from kernels import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "_cpuinfo", lambda: (vendor, flags))
-    cpu_linear.gemm_dot_products.cache_clear()
-    try:
-        assert cpu_linear.gemm_dot_products() is dp
-    finally:
-        cpu_linear.gemm_dot_products.cache_clear()
 
 
 @needs_gemm

@@ -85,6 +85,22 @@ static_assert(VL == 16, "a column block is one AVX-512 vector of 16 float32 lane
 static_assert(1 <= kMaxRows && kMaxRows <= 12 && 1 <= kMaxBlocks && kMaxBlocks <= 4 && kPanelRows % kMaxRows == 0,
               "the tile dispatch covers MR <= 12, NR <= 4, and a panel is whole row tiles");
 
+// The end of a micro-tile: the float32 accumulators plus the bias (if any), rounded to bfloat16 (nearest
+// even) into MR x (16 * NR) outputs (row stride os).
+template <int MR, int NR>
+__attribute__((always_inline)) inline void store_tile(const __m512 (&acc)[MR][NR], const float* bias, uint16_t* out,
+                                                      int64_t os) {
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m512 v = acc[i][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+      Store<at::BFloat16>::vec(reinterpret_cast<at::BFloat16*>(out + i * os + 16 * j), (vfloat)v);
+    }
+  }
+}
+
 // One micro-tile: MR rows of x (float32, row stride xs) against NR column blocks of the packed weight
 // (block stride bs elements); writes MR x (16 * NR) outputs (row stride os).
 template <int MR, int NR>
@@ -118,15 +134,7 @@ inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs
       }
     }
   }
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      __m512 v = acc[i][j];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-      Store<at::BFloat16>::vec(reinterpret_cast<at::BFloat16*>(out + i * os + 16 * j), (vfloat)v);  // nearest even
-    }
-  }
+  store_tile<MR, NR>(acc, bias, out, os);
 }
 
 #if defined(__AVX512BF16__)
@@ -157,15 +165,7 @@ inline void micro_tile_dp(const uint16_t* x, int64_t xs, const uint16_t* w, int6
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
     }
   }
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      __m512 v = acc[i][j];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-      Store<at::BFloat16>::vec(reinterpret_cast<at::BFloat16*>(out + i * os + 16 * j), (vfloat)v);  // nearest even
-    }
-  }
+  store_tile<MR, NR>(acc, bias, out, os);
 }
 #else
 #define CBP_GEMM_DP 0

@@ -524,6 +524,13 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
     ++pf_i;
   };
   auto prefetch_rest = [&]() { while (pf_i < pf_n) prefetch_next(); };
+  // the hook a K pack of nk_pad keys calls once per 16 keys x 32 values: it spreads the next unit's
+  // prefetches evenly over the pack (CBP_PF_SPREAD; with 0 they all wait for prefetch_rest before P V)
+  auto spread_prefetches = [&](int nk_pad) {
+    const int npack = nk_pad / 16 * ((D + 31) / 32);
+    const int per = CBP_PF_SPREAD && npack > 0 ? (pf_n + npack - 1) / npack : 0;
+    return [&prefetch_next, per]() { for (int i = 0; i < per; ++i) prefetch_next(); };
+  };
   const T* zero = reinterpret_cast<const T*>(kZeroRow);
   for (int hi = 0; hi < w.nh; ++hi)
     for (int i = 0; i < w.tq; ++i)
@@ -611,12 +618,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
 #if CBP_HAVE_BF16DP
       if constexpr (QK_BF16) {
         uint16_t* KTp = reinterpret_cast<uint16_t*>(KT);
-        {  // as in the float32 path: the next unit's prefetches spread over the pack's transposes
-          const int npack = nk16 / 16 * ((D + 31) / 32);
-          const int per = npack > 0 ? (pf_n + npack - 1) / npack : 0;
-          pack_k_bf16(reinterpret_cast<const uint16_t* const*>(krow), nk16, D, KTp,
-                      [&]() { for (int i = 0; i < per; ++i) prefetch_next(); });
-        }
+        pack_k_bf16(reinterpret_cast<const uint16_t* const*>(krow), nk16, D, KTp, spread_prefetches(nk16));
         for (int n0 = 0; n0 < nk16; n0 += 64) {  // column blocks of up to 4 x 16 keys
           const int nv16 = std::min(64, nk16 - n0) / 16;
           for (int m0 = 0; m0 < M; m0 += MR) {
@@ -628,15 +630,8 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
       } else
 #endif
       {
-#if CBP_PF_SPREAD
-        {  // the next unit's prefetches spread evenly over the transposes of this unit's K pack
-          const int npack = std::max(nk16, nv * VL) / 16 * ((D + 31) / 32);  // pf() calls of the pack
-          const int per = npack > 0 ? (pf_n + npack - 1) / npack : 0;
-          pack_k_f32<T>(krow, std::max(nk16, nv * VL), D, KT, [&]() { for (int i = 0; i < per; ++i) prefetch_next(); });
-        }
-#else
-        pack_k_f32<T>(krow, std::max(nk16, nv * VL), D, KT);
-#endif
+        const int nk_pad = std::max(nk16, nv * VL);
+        pack_k_f32<T>(krow, nk_pad, D, KT, spread_prefetches(nk_pad));
         for (int n0 = 0; n0 < nv * VL; n0 += QK_NV * VL) {  // column blocks of up to QK_NV vectors
           const int nvb = std::min(QK_NV * VL, nv * VL - n0) / VL;
           for (int m0 = 0; m0 < M; m0 += MR) {
