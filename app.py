@@ -229,7 +229,8 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
         own = getattr(runner, "num_own_gemm_linears", 0)
         linears = f"{packed} linear layers on oneDNN-packed weights{f32_note}"
         if own:
-            linears = f"{own} linear layers on the engine's own bfloat16 GEMM" + (f", {linears}" if packed else "")
+            gemm = str(getattr(runner, "dtype", "")).removeprefix("torch.")
+            linears = f"{own} linear layers on the engine's own {gemm} GEMM" + (f", {linears}" if packed else "")
         lines.append(f"kernels  {forward}; {attention}; {linears}; {torch.get_num_threads()} threads")
     else:
         lines.append("kernels  Triton paged attention")

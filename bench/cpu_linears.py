@@ -16,6 +16,10 @@ path this CPU has:
   rounded to bfloat16, as ``kernels.cpu_linear.Linear``'s float32 path does;
 * ``torch``: ``F.linear`` in bfloat16 (``--all`` only: slow where the CPU has no native bfloat16).
 
+With ``--dtype float32`` (the engine's dtype on AVX2-only CPUs) the weights and inputs are float32 and the
+paths are ``own32`` (the engine's own float32 GEMM, ``kernels/csrc/gemm_f32_cpu.cpp``, where the extension
+has it) and ``mkl32`` (``F.linear`` in float32).
+
 The paths alternate within each row count (one pass of each, repeated), and the median pass is
 reported with its GFLOP/s and the ratio of the best other path's time to the faster own path's. It
 prints the CPU's name, its vector flags and the thread count: compare ratios from one run, not times across machines.
@@ -43,14 +47,20 @@ def step_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_
     return per_layer * layers + [(vocab, hidden)]
 
 
-OWN = ("own", "own-dp")  # the engine's own GEMM, float32 FMAs and VDPBF16PS
+OWN = ("own", "own-dp", "own32")  # the engine's own GEMMs: float32 FMAs and VDPBF16PS; float32 weights
 
 
-def build_paths(shapes, with_torch: bool, seed: int = 0) -> dict:
-    """``{name: [callable(x) per shape]}`` for the paths this CPU has (see the module docstring)."""
+def build_paths(shapes, with_torch: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``{name: [callable(x) per shape]}`` for the paths this CPU has in ``dtype`` (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
-    weights = [(torch.randn(o, i, generator=g) * 0.02).bfloat16() for o, i in shapes]
+    weights = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
     paths: dict = {}
+    if dtype == torch.float32:
+        if cpu_ops.available() and cpu_ops.gemm_f32_available():
+            packed32 = [cpu_linear.pack_gemm_weight_f32(w) for w in weights]
+            paths["own32"] = [lambda x, p=p: cpu_ops.gemm_f32(x, p) for p in packed32]
+        paths["mkl32"] = [lambda x, w=w: F.linear(x, w) for w in weights]
+        return paths
     if cpu_ops.available() and cpu_ops.gemm_bf16_available():
         packed = [cpu_linear.pack_gemm_weight(w) for w in weights]
         paths["own"] = [lambda x, p=p: cpu_ops.gemm_bf16(x, p) for p in packed]
@@ -67,9 +77,9 @@ def build_paths(shapes, with_torch: bool, seed: int = 0) -> dict:
     return paths
 
 
-def time_step(fns, shapes, rows: int, g: torch.Generator) -> float:
+def time_step(fns, shapes, rows: int, g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> float:
     """Seconds for one pass over all the step's linears at ``rows`` rows (inputs made beforehand)."""
-    inputs = {i: torch.randn(rows, i, generator=g).bfloat16() for i in {i for _, i in shapes}}
+    inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in {i for _, i in shapes}}
     xs = [inputs[i] for _, i in shapes]
     t = time.perf_counter()
     for fn, x in zip(fns, xs):
@@ -90,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="passes of each path per row count (median reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--all", action="store_true", help="also time F.linear in bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="weights and inputs (float32: the own float32 GEMM against F.linear)")
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--heads", type=int, default=9)
@@ -103,13 +115,15 @@ def main(argv=None) -> int:
     shapes = step_shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim, args.layers,
                          args.vocab)
     params = sum(o * i for o, i in shapes)
-    paths = build_paths(shapes, args.all)
+    dtype = getattr(torch, args.dtype)
+    paths = build_paths(shapes, args.all, dtype=dtype)
     print(f"CPU: {cpu_description()}; {torch.get_num_threads()} threads; torch {torch.__version__}")
-    print(f"{len(shapes)} linears, {params / 1e6:.0f} M parameters ({2 * params / 1e6:.0f} MB in bfloat16); "
+    size = torch.empty((), dtype=dtype).element_size()
+    print(f"{len(shapes)} linears, {params / 1e6:.0f} M parameters ({size * params / 1e6:.0f} MB in {args.dtype}); "
           f"paths: {', '.join(paths)}; median of {args.repeats} passes, paths alternating")
     g = torch.Generator().manual_seed(1)
     for fns in paths.values():  # first touch: page in the weights and build any lazy state
-        time_step(fns, shapes, 1, g)
+        time_step(fns, shapes, 1, g, dtype)
     head = f"{'rows':>5} | " + " | ".join(f"{n:>16}" for n in paths) + " | best other / best own"
     print(head)
     print("-" * len(head))
@@ -117,7 +131,7 @@ def main(argv=None) -> int:
         times: dict[str, list[float]] = {n: [] for n in paths}
         for _ in range(args.repeats):
             for name, fns in paths.items():
-                times[name].append(time_step(fns, shapes, rows, g))
+                times[name].append(time_step(fns, shapes, rows, g, dtype))
         med = {n: statistics.median(ts) for n, ts in times.items()}
         cells = [f"{1e3 * t:7.1f} ms {2 * rows * params / t / 1e9:4.0f} GF" for t in med.values()]
         ours = [t for n, t in med.items() if n in OWN]

@@ -149,7 +149,7 @@ class ModelRunner:
             model.set_attn_implementation(ATTN_NAME)
         self.num_prepacked_linears = 0
         self.num_float32_linears = 0  # bfloat16 linears that multiply many-row calls in float32
-        self.num_own_gemm_linears = 0  # bfloat16 linears on the engine's own GEMM
+        self.num_own_gemm_linears = 0  # linears on the engine's own GEMM (bfloat16, or float32 on AVX2-only CPUs)
         if self.device.type == "cpu":
             if self.own_forward is not None:
                 self.num_prepacked_linears = self.own_forward.num_packed_linears

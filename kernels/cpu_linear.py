@@ -31,7 +31,14 @@ row tiles there. On AMD CPUs with AVX512-BF16 (:func:`gemm_dot_products`) the sa
 packed pairs with VDPBF16PS instead, still one accumulator per output, k pair by pair (the odd
 element of a pair first): 1.2-1.4x oneDNN's bfloat16 GEMM at 8-128 rows on a 2-vCPU EPYC, level at 512. ``CBP_CPU_OWN_GEMM=0`` turns it off.
 
-:func:`linear` builds the callable the engine's forward uses for one weight; :func:`prepack_linears`
+On CPUs with AVX2 and FMA but no AVX-512 (:func:`own_gemm_f32_cpu`), where float32 is the engine's dtype, a
+float32 :class:`Linear` uses the engine's own float32 GEMM (``kernels/csrc/gemm_f32_cpu.cpp``): the weight
+packed once into 16-column blocks (:func:`pack_gemm_weight_f32`, 4 bytes per parameter), 6 x 16 register
+tiles of float32 FMAs, one accumulator per output in k order, so batch invariant as it is. On a 2-vCPU AMD
+EPYC (Zen 3) the step's 121 linears took 1.3-3.8x less time than ``F.linear`` (MKL) at 1-96 rows and
+1.0-1.2x less at 128-512 (``python -m bench.cpu_linears --dtype float32``).
+
+:class:`Linear` is what the engine's forward calls for one weight; :func:`prepack_linears`
 replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
 transformers' modules). The packed tensor is an opaque oneDNN tensor: inference only (no autograd).
 """
@@ -155,12 +162,35 @@ def own_gemm_cpu() -> bool:
     return cpu_ops.gemm_bf16_available()
 
 
+@functools.cache
+def own_gemm_f32_cpu() -> bool:
+    """Whether float32 linears on this CPU use the engine's own float32 GEMM (``kernels/csrc/gemm_f32_cpu.cpp``):
+    on CPUs with AVX2 and FMA but no AVX-512, where float32 is the engine's dtype, when the extension has
+    ``gemm_f32``. Measured on a 2-vCPU AMD EPYC (Zen 3, AVX2 only): the decode step's linears 1.4-1.6x faster
+    than torch's float32 ``F.linear`` (MKL) at 16-128 rows (docs/performance.md). AVX-512 CPUs run bfloat16 by
+    default and keep ``F.linear`` for float32 unless ``CBP_CPU_OWN_GEMM_F32=1`` (not measured there). Decided
+    from the CPU's flags and the build, never from a timing; ``CBP_CPU_OWN_GEMM=0`` or
+    ``CBP_CPU_OWN_GEMM_F32=0`` turns it off. Read once per process."""
+    if os.environ.get("CBP_CPU_OWN_GEMM", "1") == "0":
+        return False
+    forced = os.environ.get("CBP_CPU_OWN_GEMM_F32")
+    if forced == "0":
+        return False
+    words = set(_cpuinfo()[1].split())
+    if forced != "1" and not ("avx2" in words and "fma" in words and "avx512f" not in words):
+        return False
+    return cpu_ops.gemm_f32_available()
+
+
 def uses_own_gemm(weight: torch.Tensor) -> bool:
-    """Whether :class:`Linear` multiplies by ``weight`` ``[out_features, in_features]`` with the own GEMM: a
-    CPU bfloat16 weight with ``out_features`` a multiple of 16 and ``in_features`` even, where
-    :func:`own_gemm_cpu` holds."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and own_gemm_cpu())
+    """Whether :class:`Linear` multiplies by ``weight`` ``[out_features, in_features]`` with the own GEMM:
+    a CPU weight with ``out_features`` a multiple of 16 and, in bfloat16, ``in_features`` even, where
+    :func:`own_gemm_cpu` holds; in float32, where :func:`own_gemm_f32_cpu` holds."""
+    if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % 16 == 0):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return weight.shape[1] % 2 == 0 and own_gemm_cpu()
+    return weight.dtype == torch.float32 and own_gemm_f32_cpu()
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -169,6 +199,13 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     the same bytes)."""
     n, k = weight.shape
     return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_gemm_weight_f32(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``weight`` ``[N, K]`` (N a multiple of 16) as the own float32 GEMM reads it: ``[N/16, K, 16]``,
+    for each block of 16 output columns and each k the 16 columns' values (a new tensor of the same bytes)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
 def f32_compute(weight: torch.Tensor) -> bool:
@@ -224,8 +261,8 @@ BATCH_INVARIANT_ROWS = 32  # the fixed row tile of batch-invariant linears (rows
 
 
 class Linear:
-    """``y = x W^T + b`` for the engine's forward: the own GEMM on a packed copy where :func:`uses_own_gemm`
-    says so (``gemm``); else prepacked for oneDNN where :func:`packs` says so, else ``F.linear`` on the
+    """``y = x W^T + b`` for the engine's forward: the own GEMM (bfloat16, or float32 on AVX2-only CPUs) on a
+    packed copy where :func:`uses_own_gemm` says so (``gemm``); else prepacked for oneDNN where :func:`packs` says so, else ``F.linear`` on the
     weight as given (no copy); calls of at least :data:`F32_MIN_ROWS` rows in float32 on a float32 copy
     of a bfloat16 weight where :func:`makes_float32_copy` says so (``weight32``).
 
@@ -252,8 +289,10 @@ class Linear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-        self.gemm = pack_gemm_weight(self.weight) if uses_own_gemm(self.weight) else None
-        self.gemm_dp = self.gemm is not None and gemm_dot_products()  # the own GEMM's VDPBF16PS path
+        own = uses_own_gemm(self.weight)
+        f32 = self.weight.dtype == torch.float32
+        self.gemm = (pack_gemm_weight_f32 if f32 else pack_gemm_weight)(self.weight) if own else None
+        self.gemm_dp = own and not f32 and gemm_dot_products()  # the own bfloat16 GEMM's VDPBF16PS path
         self.packed = _pack(self.weight) if self.gemm is None and packs(self.weight, self.bias) else None
         self.row_tile = row_tile
         # float32 copies for calls of >= F32_MIN_ROWS rows (see the module docstring)
@@ -263,7 +302,9 @@ class Linear:
         self.bias32 = None if (self.bias is None or not (use32 or self.gemm is not None)) else self.bias.float()
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm is not None and x.dtype == torch.bfloat16:
+        if self.gemm is not None and x.dtype == self.gemm.dtype:
+            if x.dtype == torch.float32:
+                return cpu_ops.gemm_f32(x, self.gemm, self.bias32)
             return cpu_ops.gemm_bf16(x, self.gemm, self.bias32, self.gemm_dp)
         if self.weight32 is not None and x.shape[0] >= F32_MIN_ROWS:
             return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)

@@ -34,7 +34,7 @@ from kernels import torch_ops
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp",
-            _CSRC / "gemm_bf16_cpu.cpp"]
+            _CSRC / "gemm_bf16_cpu.cpp", _CSRC / "gemm_f32_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -336,6 +336,38 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     elif x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias, bool(dot_products))
+    return out
+
+
+def gemm_f32_available() -> bool:
+    """Whether the extension loads and has ``gemm_f32`` (an AVX2-with-FMA or AVX-512 build)."""
+    return available() and bool(load().gemm_f32_available())
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a float32 weight packed by :func:`kernels.cpu_linear.pack_gemm_weight_f32`:
+    one float32 FMA chain per output in k order (so a row's result never depends on the other rows: see
+    ``kernels/csrc/gemm_f32_cpu.cpp``). Bit-identical to :func:`kernels.torch_ops.gemm_f32` (except the
+    bits of a NaN).
+
+    Args:
+        x: ``[M, K]`` float32 (a copy is made if its rows are not contiguous); packed: ``[N/16, K, 16]``
+            float32; bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[M, N]`` float32.
+
+    Raises:
+        RuntimeError: on shapes or dtypes that do not match, or where :func:`gemm_f32_available` is False.
+    """
+    if packed.dim() != 3:
+        raise RuntimeError("gemm_f32: packed must be [N/16, K, 16] float32")
+    out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
+    if x.dim() == 2 and x.shape[0] == 0:
+        x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run
+    elif x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
+    load().gemm_f32(out, x, packed, torch.Tensor() if bias is None else bias)
     return out
 
 

@@ -263,7 +263,6 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         ValueError: ``dot_products`` with an odd K.
     """
     xd, wd = x.double(), weight.double()
-    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
     if dot_products:
         if x.shape[1] % 2:
             raise ValueError(f"gemm_bf16: dot_products needs an even K, got {x.shape[1]}")
@@ -271,10 +270,35 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         order = [k for p in range(x.shape[1] // 2) for k in (2 * p + 1, 2 * p)]
     else:
         order = list(range(x.shape[1]))
+    return _fma_chain(xd, wd, order, bias, _flush if dot_products else None).to(torch.bfloat16)
+
+
+def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` in the arithmetic of the C++ ``gemm_f32`` (the reference of that op): one float32
+    accumulator per output, k = 0, 1, .. K-1 in order, one FMA each, then the bias (one float32 add). The
+    FMA is emulated as in :func:`gemm_bf16`: the product of two float32 values is exact in float64, the
+    float64 sum is rounded to float32; that equals a fused multiply-add unless the float64 sum itself was
+    rounded onto a float32 rounding midpoint (double rounding, about one sum in 2^29 of random data; never
+    in the tests' data). One Python step per k: for tests, not for speed.
+
+    Args:
+        x: ``[M, K]`` float32; weight: ``[N, K]`` float32; bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[M, N]`` float32.
+    """
+    return _fma_chain(x.double(), weight.double(), range(x.shape[1]), bias, None)
+
+
+def _fma_chain(xd: torch.Tensor, wd: torch.Tensor, order, bias: torch.Tensor | None, flush) -> torch.Tensor:
+    """The float32 accumulators ``[M, N]`` of :func:`gemm_bf16` / :func:`gemm_f32`: for k in ``order``,
+    ``acc = float32(acc + xd[:, k] wd[:, k])`` in float64 (``flush`` applied after each step if given),
+    then ``+ bias`` in float32."""
+    acc = torch.zeros(xd.shape[0], wd.shape[0], dtype=torch.float32)
     for k in order:
         acc = (acc.double() + xd[:, k : k + 1] * wd[None, :, k]).float()
-        if dot_products:
-            acc = _flush(acc)
+        if flush is not None:
+            acc = flush(acc)
     if bias is not None:
         acc = acc + bias.float()
-    return acc.to(torch.bfloat16)
+    return acc

@@ -79,6 +79,8 @@ def test_startup_lines_name_model_dtype_kernels_and_pool():
     assert "96 KV blocks x 16 tokens (1,536 tokens), 4 batch slots" in text
     assert len(lines) <= 6
     runner.num_own_gemm_linears, runner.num_prepacked_linears = 121, 0
+    assert "121 linear layers on the engine's own float32 GEMM; " in "\n".join(app.startup_lines(engine, args, 1.0))
+    runner.dtype = torch.bfloat16
     assert "121 linear layers on the engine's own bfloat16 GEMM; " in "\n".join(app.startup_lines(engine, args, 1.0))
 
 

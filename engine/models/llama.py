@@ -171,7 +171,7 @@ class LlamaForward:
 
     @property
     def num_own_gemm_linears(self) -> int:
-        """Linears on the engine's own bfloat16 GEMM (:func:`kernels.cpu_linear.uses_own_gemm`)."""
+        """Linears on one of the engine's own GEMMs, bfloat16 or float32 (:func:`kernels.cpu_linear.uses_own_gemm`)."""
         return sum(lin.gemm is not None for lin in self._linears())
 
     @property

@@ -35,6 +35,16 @@ static inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so `x - vfloat{}` folds to a plain broadcast (from memory: a load-port operation only).
 static inline vfloat vset1(float x) { return x - vfloat{}; }
 static inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+// a * b + c with one rounding (an FMA instruction where the build has one; a product and a sum otherwise)
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 // horizontal max / sum as a tree over vector halves
 typedef float vhalf __attribute__((vector_size(VL * sizeof(float) / 2)));
 static inline float hmax(vfloat v) {
