@@ -283,7 +283,8 @@ def num_blocks_for(config: EngineConfig, model, device: torch.device, dtype: tor
             import psutil
 
             free = psutil.virtual_memory().available
-            free = max(0, free - float32_copy_bytes(config, model, device, dtype))
+            free = max(0, free - float32_copy_bytes(config, model, device, dtype)
+                       - packed_copy_bytes(config, model, device, dtype))
         budget = int(free * budget)
     return max(1, int(budget) // per_block)
 
@@ -292,8 +293,9 @@ def float32_copy_bytes(config: EngineConfig, model, device: torch.device, dtype:
     """Bytes that the engine's own forward will add on CPU for float32 copies of bfloat16 linear weights
     (:func:`kernels.cpu_linear.makes_float32_copy`: 4 bytes per parameter of each decoder-layer linear and
     the LM head that gets one), so that a KV budget given as a fraction of free memory leaves room for
-    them; 0 when no copy will be made (another device or dtype, transformers' modules, batch-invariant
-    row tiles, or the own GEMM taking the weights)."""
+    them; 0 when no float32 copy will be made (another device or dtype, transformers' modules,
+    batch-invariant row tiles, or the own GEMM taking the weights: its packed copies are
+    :func:`packed_copy_bytes`)."""
     from kernels.cpu_linear import BATCH_INVARIANT_ROWS, makes_float32_copy
 
     if device.type != "cpu" or config.forward != "auto" or dtype != torch.bfloat16:
@@ -301,6 +303,20 @@ def float32_copy_bytes(config: EngineConfig, model, device: torch.device, dtype:
     row_tile = BATCH_INVARIANT_ROWS if config.batch_invariant else None
     one = torch.empty((), dtype=dtype)  # expanded to each weight's shape: the rule reads dtype and shape only
     return sum(4 * w.numel() for w in linear_weights(model) if makes_float32_copy(one.expand(w.shape), row_tile))
+
+
+def packed_copy_bytes(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes that the engine's own forward will add on CPU for the packed copies of the weights its own GEMMs
+    take (:func:`kernels.cpu_linear.uses_own_gemm`: 2 bytes per parameter in bfloat16, 4 in float32), so that
+    a KV budget given as a fraction of free memory leaves room for them; 0 on another device, with
+    transformers' modules, or where no weight goes to an own GEMM."""
+    from kernels.cpu_linear import uses_own_gemm
+
+    if device.type != "cpu" or config.forward != "auto" or dtype not in (torch.bfloat16, torch.float32):
+        return 0
+    one = torch.empty((), dtype=dtype)  # expanded to each weight's shape: the rule reads dtype and shape only
+    size = one.element_size()
+    return sum(size * w.numel() for w in linear_weights(model) if uses_own_gemm(one.expand(w.shape)))
 
 
 def linear_weights(model) -> list[torch.Tensor]:

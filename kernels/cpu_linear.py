@@ -166,8 +166,8 @@ def own_gemm_cpu() -> bool:
 def own_gemm_f32_cpu() -> bool:
     """Whether float32 linears on this CPU use the engine's own float32 GEMM (``kernels/csrc/gemm_f32_cpu.cpp``):
     on CPUs with AVX2 and FMA but no AVX-512, where float32 is the engine's dtype, when the extension has
-    ``gemm_f32``. Measured on a 2-vCPU AMD EPYC (Zen 3, AVX2 only): the decode step's linears 1.4-1.6x faster
-    than torch's float32 ``F.linear`` (MKL) at 16-128 rows (docs/performance.md). AVX-512 CPUs run bfloat16 by
+    ``gemm_f32``. Measured on a 2-vCPU AMD EPYC (Zen 3, AVX2 only): the decode step's 121 linears 1.3-3.8x
+    faster than torch's float32 ``F.linear`` (MKL) at 1-96 rows, 1.0-1.2x at 128-512 (docs/performance.md). AVX-512 CPUs run bfloat16 by
     default and keep ``F.linear`` for float32 unless ``CBP_CPU_OWN_GEMM_F32=1`` (not measured there). Decided
     from the CPU's flags and the build, never from a timing; ``CBP_CPU_OWN_GEMM=0`` or
     ``CBP_CPU_OWN_GEMM_F32=0`` turns it off. Read once per process."""

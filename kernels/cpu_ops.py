@@ -362,6 +362,8 @@ def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = 
     """
     if packed.dim() != 3:
         raise RuntimeError("gemm_f32: packed must be [N/16, K, 16] float32")
+    if bias is not None and bias.numel() != packed.shape[0] * 16:  # the op reads an empty bias as none
+        raise RuntimeError(f"gemm_f32: bias must be [{packed.shape[0] * 16}]")
     out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
     if x.dim() == 2 and x.shape[0] == 0:
         x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run

@@ -241,11 +241,9 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               dot_products: bool = False) -> torch.Tensor:
     """``x W^T (+ bias)`` in the arithmetic of the C++ ``gemm_bf16`` (the reference of that op): one
     float32 accumulator per output, k = 0, 1, .. K-1 in order, one FMA each (the product is not rounded;
-    emulated by a float64 sum, where a product of two bfloat16 values is exact, rounded to float32), then
-    the bias, then one rounding to bfloat16. The float64 emulation of a fused multiply-add equals it
-    unless the accumulator and the product lie more than 29 binades apart and the sum sits on a float32
-    rounding midpoint (double rounding): never in the tests' data. NaN bits are not compared (the kernel
-    writes the canonical 0x7fc0). One Python step per k: for tests, not for speed.
+    emulated exactly in float64 with the sum rounded to odd, see ``_fma_chain``), then the bias, then one
+    rounding to bfloat16. NaN bits are not compared (the kernel writes the canonical 0x7fc0). One Python
+    step per k: for tests, not for speed.
 
     ``dot_products=True`` is the arithmetic of its VDPBF16PS path (AVX512-BF16): the same accumulator,
     but each pair of k is added odd element first, ``acc + x[2p+1] W[2p+1]`` then ``+ x[2p] W[2p]``, with
@@ -275,11 +273,9 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T (+ bias)`` in the arithmetic of the C++ ``gemm_f32`` (the reference of that op): one float32
-    accumulator per output, k = 0, 1, .. K-1 in order, one FMA each, then the bias (one float32 add). The
-    FMA is emulated as in :func:`gemm_bf16`: the product of two float32 values is exact in float64, the
-    float64 sum is rounded to float32; that equals a fused multiply-add unless the float64 sum itself was
-    rounded onto a float32 rounding midpoint (double rounding, about one sum in 2^29 of random data; never
-    in the tests' data). One Python step per k: for tests, not for speed.
+    accumulator per output, k = 0, 1, .. K-1 in order, one exact FMA each (emulated in float64 with the sum
+    rounded to odd, see ``_fma_chain``), then the bias (one float32 add). One Python step per k: for
+    tests, not for speed.
 
     Args:
         x: ``[M, K]`` float32; weight: ``[N, K]`` float32; bias: ``[N]`` float32 or None.
@@ -292,11 +288,22 @@ def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def _fma_chain(xd: torch.Tensor, wd: torch.Tensor, order, bias: torch.Tensor | None, flush) -> torch.Tensor:
     """The float32 accumulators ``[M, N]`` of :func:`gemm_bf16` / :func:`gemm_f32`: for k in ``order``,
-    ``acc = float32(acc + xd[:, k] wd[:, k])`` in float64 (``flush`` applied after each step if given),
-    then ``+ bias`` in float32."""
+    ``acc = fma(x[:, k], w[:, k], acc)`` (``flush`` applied after each step if given), then ``+ bias`` in
+    float32. The FMA is exact: the product of two float32 values is exact in float64, and the float64 sum
+    is rounded to odd (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
+    algorithms using rounding to odd", IEEE TC 2008: the error of the sum from TwoSum, and an inexact
+    sum with an even last bit moved to its odd neighbour), so its rounding to float32 is the single
+    rounding of the exact value (double rounding through float64 was wrong in about one sum in 2^29)."""
     acc = torch.zeros(xd.shape[0], wd.shape[0], dtype=torch.float32)
     for k in order:
-        acc = (acc.double() + xd[:, k : k + 1] * wd[None, :, k]).float()
+        a = acc.double()
+        p = xd[:, k : k + 1] * wd[None, :, k]
+        s = a + p
+        b = s - a
+        err = (a - (s - b)) + (p - b)  # TwoSum: s + err == a + p exactly (finite values)
+        inexact_even = (err != 0) & ((s.view(torch.int64) & 1) == 0) & s.isfinite()
+        s = torch.where(inexact_even, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double()), s)
+        acc = s.float()
         if flush is not None:
             acc = flush(acc)
     if bias is not None:

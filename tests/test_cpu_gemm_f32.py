@@ -81,13 +81,26 @@ def test_gemm_f32_keeps_nan_and_inf_and_does_not_round_products():
 
 
 @needs_gemm_f32
+def test_gemm_f32_and_reference_round_once_where_a_float64_sum_would_round_twice():
+    """1 (1 + 2^-23) + (1 + 2^-23) 2^-24 (1 - 2^-23) = 1 + 2^-23 + 2^-24 - 2^-70 rounds to 1 + 2^-23 in one
+    FMA; a float64 sum rounded to float32 gives 1 + 2^-22 (found by a break-it review). The reference
+    rounds its float64 sums to odd, so it gives the single rounding as the kernel does."""
+    x = torch.tensor([[1.0, 1 + 2.0 ** -23]])
+    w = torch.tensor([[1 + 2.0 ** -23, 2.0 ** -24 * (1 - 2.0 ** -23)]]).repeat(16, 1)
+    y = cpu_ops.gemm_f32(x, pack_gemm_weight_f32(w))
+    assert y[0, 0] == 1 + 2.0 ** -23
+    assert torch.equal(_bits(y), _bits(torch_ops.gemm_f32(x, w)))
+
+
+@needs_gemm_f32
 def test_gemm_f32_refuses_bad_arguments_with_a_clear_error():
     """Wrong dtypes and shapes raise RuntimeError naming the op, also for an empty batch."""
     packed = pack_gemm_weight_f32(torch.randn(32, 8))
     x = torch.randn(3, 8)
     bad = [(x.bfloat16(), packed, None), (torch.randn(3, 6), packed, None), (x, torch.empty(5), None),
            (x, torch.empty(2, 8, 8), None), (x, packed, torch.zeros(2, 16)), (x, packed, torch.zeros(31)),
-           (x[:0].double(), packed, None), (torch.randn(0, 6), packed, None), (x, packed.bfloat16(), None)]
+           (x[:0].double(), packed, None), (torch.randn(0, 6), packed, None), (x, packed.bfloat16(), None),
+           (x, packed, torch.zeros(0))]
     for args in bad:
         with pytest.raises(RuntimeError, match="gemm_f32"):
             cpu_ops.gemm_f32(*args)
@@ -148,3 +161,21 @@ def test_linear_uses_the_own_float32_gemm_where_the_rule_says_so(monkeypatch):
     assert torch.equal(lin(x), torch_ops.gemm_f32(x, w, b))
     assert Linear(torch.randn(40, 64)).gemm is None  # 40 columns: not a multiple of 16
     assert Linear(w.bfloat16()).gemm is None  # the float32 rule says nothing of bfloat16 weights
+
+
+def test_kv_budget_leaves_room_for_the_packed_copies(monkeypatch):
+    """A KV budget given as a fraction of free memory subtracts the packed copies the own GEMMs will make:
+    4 bytes per parameter of each float32 linear they take (engine.model_runner.packed_copy_bytes), none
+    where the rule is off, with transformers' modules, or on another device."""
+    from engine.config import EngineConfig
+    from engine.model_runner import linear_parameters, packed_copy_bytes
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(vocab_size=320, seed=1)  # every linear has a multiple of 16 outputs
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_linear, "own_gemm_f32_cpu", lambda: True)
+    assert packed_copy_bytes(EngineConfig(), model, cpu, torch.float32) == 4 * linear_parameters(model) > 0
+    assert packed_copy_bytes(EngineConfig(forward="transformers"), model, cpu, torch.float32) == 0
+    assert packed_copy_bytes(EngineConfig(), model, torch.device("meta"), torch.float32) == 0
+    monkeypatch.setattr(cpu_linear, "own_gemm_f32_cpu", lambda: False)
+    assert packed_copy_bytes(EngineConfig(), model, cpu, torch.float32) == 0

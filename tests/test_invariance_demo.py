@@ -32,6 +32,19 @@ def test_batch_invariant_mode_gives_the_same_tokens_alone_and_in_a_busy_batch(ru
     assert len(runs["default"].busy) == invariance.TARGET_TOKENS
 
 
+def test_float32_default_mode_is_batch_invariant_where_the_own_float32_gemm_runs(runs, request):
+    """On CPUs whose float32 linears run on the engine's own GEMM (AVX2 without AVX-512: one FMA chain per
+    output whatever the batch), the default mode needs no row tiles to be batch invariant in float32: the
+    target's tokens and log-probabilities are the same alone and in the busy batch, bit for bit."""
+    from kernels import cpu_linear
+
+    if request.node.callspec.params["runs"] != torch.float32 or not cpu_linear.own_gemm_f32_cpu():
+        pytest.skip("float32 linears on the own GEMM only (CPUs with AVX2 and no AVX-512)")
+    default = runs["default"]
+    assert default.alone == default.busy and default.max_logprob_difference == 0.0
+    assert default.max_batch > 1
+
+
 def test_first_difference_and_html_mark_the_tokens_from_where_the_runs_part():
     run = invariance.InvarianceRun(False, [1, 2, 3, 4], [1, 2, 9, 4], ["a", "b", "<c>", "\n"], ["a", "b", "z", "\n"],
                                    12, 13)

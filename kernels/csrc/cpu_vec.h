@@ -35,7 +35,8 @@ static inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 // for every x, so `x - vfloat{}` folds to a plain broadcast (from memory: a load-port operation only).
 static inline vfloat vset1(float x) { return x - vfloat{}; }
 static inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-// a * b + c with one rounding (an FMA instruction where the build has one; a product and a sum otherwise)
+// a * b + c: one FMA instruction (one rounding) where the build has FMA; elsewhere a product and a sum
+// (two roundings: code that needs the single rounding, as gemm_f32, is compiled only with FMA)
 static inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 #if defined(__AVX512F__)
   return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);

@@ -11,16 +11,17 @@
 //
 // Why: on AVX2-only CPUs float32 is the engine's dtype (their bfloat16 matmuls run several times slower),
 // and torch's float32 linear (MKL) ran a decode step's linears at 64 rows at about 100 GFLOP/s on a
-// 2-vCPU AMD EPYC (Zen 3) whose large square matmuls reach 175-180: the small-M shapes of a decode step
-// (M = 1-128 rows against K = 576-1536) leave MKL's kernels below the FMA rate. The numbers are in
-// docs/performance.md (`python -m bench.cpu_linears --dtype float32`).
+// 2-vCPU AMD EPYC (Zen 3) whose large square matmuls reach 155-180: the small-M shapes of a decode step
+// (M = 1-128 rows against K = 576-1536) leave MKL's kernels below the FMA rate. This GEMM ran the step's
+// 121 linears 1.3-3.8x faster than MKL at 1-96 rows, 1.0-1.2x at 128-512, and per shape 1.1-1.3x slower
+// at 2048 rows (docs/performance.md; `python -m bench.cpu_linears --dtype float32`).
 //
 // Arithmetic: every output keeps one float32 accumulator that runs over k = 0, 1, .. K-1 in this order,
 // one FMA each (the product is not rounded, the FMA rounds the sum), whatever the row count M, the row's
 // place in its tile, the thread count or the split of the columns among threads. A row's result therefore
 // depends on its own values only: the GEMM is batch invariant by construction, and the AVX2 and AVX-512
-// builds give the same bits. The bias is added once at the end. kernels.torch_ops.gemm_fma is the
-// reference.
+// builds give the same bits. The bias is added once at the end. kernels.torch_ops.gemm_f32 is the
+// reference (exact: it emulates each FMA in float64 with the sum rounded to odd).
 //
 // Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for
 // Rapidly Instantiating BLAS Functionality", ACM TOMS 2015; the 6 x 16 AVX2 tile is the shape BLIS and
@@ -171,7 +172,7 @@ void gemm_f32(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::T
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == M &&
               out.size(1) == N, "gemm_f32: out must be float32 [M, ", N, "] with contiguous rows");
   torch::Tensor bias32;
-  if (bias.defined() && bias.numel() > 0) {
+  if (bias.defined() && bias.numel() > 0) {  // the wrapper passes an empty tensor for no bias
     TORCH_CHECK(bias.dim() == 1 && bias.numel() == N && bias.device().is_cpu(), "gemm_f32: bias must be [", N, "]");
     bias32 = bias.to(at::kFloat).contiguous();
   }
