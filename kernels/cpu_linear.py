@@ -262,8 +262,8 @@ BATCH_INVARIANT_ROWS = 32  # the fixed row tile of batch-invariant linears (rows
 
 class Linear:
     """``y = x W^T + b`` for the engine's forward: the own GEMM (bfloat16, or float32 on AVX2-only CPUs) on a
-    packed copy where :func:`uses_own_gemm` says so (``gemm``); else prepacked for oneDNN where :func:`packs` says so, else ``F.linear`` on the
-    weight as given (no copy); calls of at least :data:`F32_MIN_ROWS` rows in float32 on a float32 copy
+    packed copy where :func:`uses_own_gemm` says so (``gemm``); else prepacked for oneDNN where :func:`packs`
+    says so, else ``F.linear`` on the weight as given (no copy); calls of at least :data:`F32_MIN_ROWS` rows in float32 on a float32 copy
     of a bfloat16 weight where :func:`makes_float32_copy` says so (``weight32``).
 
     Batch invariance (``row_tile``): a GEMM library picks its kernel and its summation order from the
