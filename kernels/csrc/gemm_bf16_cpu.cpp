@@ -54,6 +54,7 @@
 #include <cstring>
 
 #include "cpu_vec.h"
+#include "gemm_groups.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -224,27 +225,19 @@ void gemm_impl(const X* x, int64_t xs, int64_t M, int64_t K, const uint16_t* w, 
                uint16_t* out, int64_t os) {
   const int64_t K2 = K / 2, bs = K * 16;  // elements per 16-column block
   at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
-      const int64_t rows = std::min(kPanelRows, M - m0);
+    walk_groups(first, last, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
       const X* xp = x + m0 * xs;
-      uint16_t* op = out + m0 * os;
-      for (int64_t b0 = first; b0 < last; b0 += kMaxBlocks) {
-        const int nr = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - b0));
-        const uint16_t* wg = w + b0 * bs;
-        const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
-        uint16_t* og = op + 16 * b0;
-        // the next group of this thread (in the next panel, the first group again: it was read long ago)
-        const int64_t nb0 = b0 + kMaxBlocks < last ? b0 + kMaxBlocks : (m0 + kPanelRows < M ? first : last);
-        const int nnext = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - nb0));
-        const uint16_t* next = w + nb0 * bs;
-        switch (nr) {
-          case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          case 2: row_tiles<2, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-          default: row_tiles<1, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-        }
+      const uint16_t* wg = w + b0 * bs;
+      const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
+      uint16_t* og = out + m0 * os + 16 * b0;
+      const uint16_t* next = w + nb0 * bs;
+      switch (nr) {
+        case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+        case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+        case 2: row_tiles<2, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+        default: row_tiles<1, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
       }
-    }
+    });
   });
 }
 

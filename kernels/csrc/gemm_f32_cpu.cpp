@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "cpu_vec.h"
+#include "gemm_groups.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define CBP_GEMM_F32 1
@@ -132,26 +133,18 @@ void gemm_impl(const float* x, int64_t xs, int64_t M, int64_t K, const float* w,
                float* out, int64_t os) {
   const int64_t bs = K * 16;  // elements per 16-column block
   at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
-      const int64_t rows = std::min(kPanelRows, M - m0);
+    walk_groups(first, last, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
       const float* xp = x + m0 * xs;
-      float* op = out + m0 * os;
-      for (int64_t b0 = first; b0 < last; b0 += kMaxBlocks) {
-        const int nr = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - b0));
-        const float* wg = w + b0 * bs;
-        const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
-        float* og = op + 16 * b0;
-        // the next group of this thread (in the next panel, the first group again: it was read long ago)
-        const int64_t nb0 = b0 + kMaxBlocks < last ? b0 + kMaxBlocks : (m0 + kPanelRows < M ? first : last);
-        const int nnext = static_cast<int>(std::min<int64_t>(kMaxBlocks, last - nb0));
-        const float* next = w + nb0 * bs;
-        switch (nr) {
-          case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-          case 2: if constexpr (kMaxBlocks >= 2) row_tiles<2>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-          default: row_tiles<1>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-        }
+      const float* wg = w + b0 * bs;
+      const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
+      float* og = out + m0 * os + 16 * b0;
+      const float* next = w + nb0 * bs;
+      switch (nr) {
+        case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
+        case 2: if constexpr (kMaxBlocks >= 2) row_tiles<2>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
+        default: row_tiles<1>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
       }
-    }
+    });
   });
 }
 
