@@ -36,7 +36,7 @@ float32 :class:`Linear` uses the engine's own float32 GEMM (``kernels/csrc/gemm_
 packed once into 16-column blocks (:func:`pack_gemm_weight_f32`, 4 bytes per parameter), 6 x 16 register
 tiles of float32 FMAs, one accumulator per output in k order, so batch invariant as it is. On a 2-vCPU AMD
 EPYC (Zen 3) the step's 121 linears took 1.3-3.8x less time than ``F.linear`` (MKL) at 1-96 rows and
-1.0-1.2x less at 128-512 (``python -m bench.cpu_linears --dtype float32``).
+0.95-1.6x at 128-512 (about level at 512) (``python -m bench.cpu_linears --dtype float32``).
 
 :class:`Linear` is what the engine's forward calls for one weight; :func:`prepack_linears`
 replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
@@ -167,7 +167,7 @@ def own_gemm_f32_cpu() -> bool:
     """Whether float32 linears on this CPU use the engine's own float32 GEMM (``kernels/csrc/gemm_f32_cpu.cpp``):
     on CPUs with AVX2 and FMA but no AVX-512, where float32 is the engine's dtype, when the extension has
     ``gemm_f32``. Measured on a 2-vCPU AMD EPYC (Zen 3, AVX2 only): the decode step's 121 linears 1.3-3.8x
-    faster than torch's float32 ``F.linear`` (MKL) at 1-96 rows, 1.0-1.2x at 128-512 (docs/performance.md). AVX-512 CPUs run bfloat16 by
+    faster than torch's float32 ``F.linear`` (MKL) at 1-96 rows, 0.95-1.6x at 128-512 (docs/performance.md). AVX-512 CPUs run bfloat16 by
     default and keep ``F.linear`` for float32 unless ``CBP_CPU_OWN_GEMM_F32=1`` (not measured there). Decided
     from the CPU's flags and the build, never from a timing; ``CBP_CPU_OWN_GEMM=0`` or
     ``CBP_CPU_OWN_GEMM_F32=0`` turns it off. Read once per process."""

@@ -13,7 +13,7 @@
 // and torch's float32 linear (MKL) ran a decode step's linears at 64 rows at about 100 GFLOP/s on a
 // 2-vCPU AMD EPYC (Zen 3) whose large square matmuls reach 155-180: the small-M shapes of a decode step
 // (M = 1-128 rows against K = 576-1536) leave MKL's kernels below the FMA rate. This GEMM ran the step's
-// 121 linears 1.3-3.8x faster than MKL at 1-96 rows, 1.0-1.2x at 128-512, and per shape 1.1-1.3x slower
+// 121 linears 1.3-3.8x faster than MKL at 1-96 rows, 0.95-1.6x at 128-512, and per shape 1.1-1.37x slower
 // at 2048 rows (docs/performance.md; `python -m bench.cpu_linears --dtype float32`).
 //
 // Arithmetic: every output keeps one float32 accumulator that runs over k = 0, 1, .. K-1 in this order,
