@@ -299,6 +299,17 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def _gemm_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the own GEMMs read it: a 2-D ``x`` with contiguous rows as it is, else a copy with
+    contiguous rows (an empty view may keep a column stride: a fresh empty tensor, so the op's checks
+    still run); anything else unchanged, for the op to refuse."""
+    if x.dim() == 2 and x.shape[0] == 0:
+        return x.new_empty((0, x.shape[1]))
+    if x.dim() == 2 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
 def gemm_bf16_available() -> bool:
     """Whether the extension loads and has the AVX-512 ``gemm_bf16`` (False off AVX-512 CPUs)."""
     return available() and bool(load().gemm_bf16_available())
@@ -331,10 +342,7 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     if packed.dim() != 4:
         raise RuntimeError("gemm_bf16: packed must be [N/16, K/2, 16, 2] bfloat16")
     out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.bfloat16)
-    if x.dim() == 2 and x.shape[0] == 0:
-        x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run
-    elif x.dim() == 2 and x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _gemm_rows(x)
     load().gemm_bf16(out, x, packed, torch.Tensor() if bias is None else bias, bool(dot_products))
     return out
 
@@ -365,10 +373,7 @@ def gemm_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None and bias.numel() != packed.shape[0] * 16:  # the op reads an empty bias as none
         raise RuntimeError(f"gemm_f32: bias must be [{packed.shape[0] * 16}]")
     out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
-    if x.dim() == 2 and x.shape[0] == 0:
-        x = x.new_empty((0, x.shape[1]))  # an empty view may keep a column stride: the checks still run
-    elif x.dim() == 2 and x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _gemm_rows(x)
     load().gemm_f32(out, x, packed, torch.Tensor() if bias is None else bias)
     return out
 
