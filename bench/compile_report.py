@@ -106,6 +106,19 @@ def compile_cache_write(dtype: str, head_dim: int, num_kv_heads: int, block_size
     return _compile(triton_ops._reshape_and_cache_kernel, ptr, set(), consts, 2, 1, arch)
 
 
+def compile_rms_norm(dtype: str, hidden: int, residual: bool, arch: int = 90):
+    """Compile :func:`kernels.triton_ops._rms_norm_kernel` for ``sm_<arch>`` (launch options as the host's)."""
+    import triton
+
+    from kernels import triton_ops
+
+    block = triton.next_power_of_2(hidden)
+    t = _TL[dtype]
+    ptr = {"x_ptr": t, "res_ptr": t, "w_ptr": t, "out_ptr": t}
+    return _compile(triton_ops._rms_norm_kernel, ptr, {"eps"}, dict(HAS_RESIDUAL=residual, BLOCK=block),
+                    min(16, max(1, block // 256)), 1, arch)
+
+
 def resources(kernel) -> dict:
     """Registers / stack / shared memory of a compiled kernel (read with the wheel's cuobjdump) and
     counts of matrix and async-copy instructions in its PTX."""
@@ -150,6 +163,8 @@ def compile_all(arch: int = 90) -> list[tuple[str, dict]]:
         out.append((f"attention {dtype} D={head_dim} G={group} {phase} splits={splits}", resources(k)))
     out.append(("reduce bf16 D=128 splits=8", resources(compile_reduce("bf16", 128, 8, arch))))
     out.append(("reshape_and_cache bf16 D=64 kvh=3", resources(compile_cache_write("bf16", 64, 3, 16, arch))))
+    out.append(("rms_norm bf16 hidden=576 +residual", resources(compile_rms_norm("bf16", 576, True, arch))))
+    out.append(("rms_norm fp32 hidden=4096", resources(compile_rms_norm("fp32", 4096, False, arch))))
     return out
 
 

@@ -14,7 +14,8 @@ path's vectorised decode attention measured faster with it, and the C++ kernels 
 
 Dispatch (backends):
 
-* ``"triton"``: CUDA tensors (``kernels.triton_ops``).
+* ``"triton"``: CUDA tensors (``kernels.triton_ops``); on CUDA the RMSNorm is Triton's too (one program
+  per row), the other decoder-layer ops (RoPE, SiLU-and-mul) are torch's.
 * ``"cpp"``: CPU tensors, the fused C++ kernels (``kernels.cpu_ops``), compiled on first use and cached.
   If the extension cannot be built (no compiler, build error), CPU calls fall back to ``"torch"``
   after one warning naming the reason.
@@ -110,14 +111,24 @@ def _layer_impl(t: torch.Tensor):
     return torch_ops
 
 
+def _norm_impl(t: torch.Tensor):
+    """RMSNorm: Triton's one-program-per-row kernel on CUDA tensors (unless the torch backend is forced),
+    else as :func:`_layer_impl`."""
+    if t.is_cuda and _FORCED in (None, "triton"):
+        from kernels import triton_ops
+
+        return triton_ops
+    return _layer_impl(t)
+
+
 def rms_norm(x, weight, eps, out=None):
     """RMSNorm of each row of ``x`` ``[num_tokens, hidden]``; see :func:`kernels.torch_ops.rms_norm`."""
-    return _layer_impl(x).rms_norm(x, weight, eps, out=out)
+    return _norm_impl(x).rms_norm(x, weight, eps, out=out)
 
 
 def fused_add_rms_norm(x, residual, weight, eps) -> None:
     """In place ``residual += x; x = rms_norm(residual)``; see :func:`kernels.torch_ops.fused_add_rms_norm`."""
-    return _layer_impl(x).fused_add_rms_norm(x, residual, weight, eps)
+    return _norm_impl(x).fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos, sin, head_dim) -> None:

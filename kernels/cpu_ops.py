@@ -239,11 +239,13 @@ def paged_attention(
     out: torch.Tensor | None = None,
     seq_lens_list: list[int] | None = None,
     query_start_loc_list: list[int] | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of a packed batch; same contract as :func:`kernels.torch_ops.paged_attention`.
 
-    The lists are accepted for signature compatibility and not needed (the kernel reads the tensors).
-    Shapes the kernel does not handle (head_dim not a multiple of 16, mixed dtypes, non-contiguous
+    The lists are accepted for signature compatibility and not needed (the kernel reads the tensors);
+    so is ``batch_invariant``: the kernel reads each sequence's keys in one fixed order whatever the batch,
+    so it is batch invariant as it is. Shapes the kernel does not handle (head_dim not a multiple of 16, mixed dtypes, non-contiguous
     caches) go to the torch path.
     """
     if not _supported(query, key_cache) or (out is not None and (out.dtype != query.dtype or out.stride(-1) != 1)):

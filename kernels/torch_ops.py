@@ -58,6 +58,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     seq_lens_list: list[int] | None = None,
     query_start_loc_list: list[int] | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a packed (varlen) batch over the paged KV cache, with GQA.
 
@@ -77,6 +78,8 @@ def paged_attention(
         out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
         seq_lens_list, query_start_loc_list: the same metadata as Python lists, if the caller has
             them (saves device->host reads).
+        batch_invariant: accepted for signature compatibility and ignored: this reference is *not*
+            batch invariant (decode rows share one batched matmul).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. Decode rows (``q_len == 1``) are

@@ -62,6 +62,10 @@ dtype before ``P @ V`` (as FlashAttention does). For float32 inputs the dots run
 ``input_precision="ieee"`` (true float32, not TF32), so float32 results match the torch reference
 closely on GPU too.
 
+RMSNorm (``_rms_norm_kernel``, host :func:`kernels.triton_ops.rms_norm` and ``fused_add_rms_norm``): one
+program per row with the whole row in one tile, the residual add fused in (one pass instead of torch's
+six); per row by construction, so batch invariant.
+
 ``reshape_and_cache``: one program per new token writes its ``num_kv_heads x head_dim`` K and V rows
 to slot ``slot_mapping[t]`` (``-1``: skipped), casting to the cache dtype.
 
@@ -81,9 +85,10 @@ LOG2E = 1.4426950408889634
 def _fix_interpreter_dot() -> None:
     """Work around a Triton interpreter bug (seen in triton 3.9, ``TRITON_INTERPRET=1`` only): the
     interpreter stores bfloat16 values as their raw ``uint16`` bits and its ``tl.dot`` multiplies
-    those bits as integers. Here 16-bit float operands are widened to float32 first (exact), which is
-    what the tensor cores compute (16-bit products, float32 accumulation), and the product goes
-    through BLAS (the interpreter's ``np.matmul(..., dtype=...)`` is a slow non-BLAS loop). Compiled
+    those bits as integers. Here 16-bit float operands are widened first (exact), the product goes
+    through BLAS in float64 and is rounded to float32 (the tensor cores' 16-bit products with float32
+    accumulation, closely; the interpreter's ``np.matmul(..., dtype=...)`` is a slow non-BLAS loop).
+    Float32 operands take the same path (``input_precision="ieee"``, one rounding per output). Compiled
     kernels are unaffected; the patch is applied only when the kernels run through the interpreter,
     and only once."""
     try:
@@ -110,7 +115,11 @@ def _fix_interpreter_dot() -> None:
         a32, b32 = widen(a), widen(b)
         if a32 is None or b32 is None or d.data.dtype != np.float32:
             return orig(self, a, b, d, *args, **kwargs)
-        return interp.TensorHandle(np.matmul(a32, b32) + d.data, d.dtype.scalar)
+        # in float64 (every float32 product exact): BLAS may sum a row at the edge of its register tile
+        # in another order than one inside it, which would make a row's result depend on its place in
+        # the tile (a batch-invariance test would then fail on CPU for the interpreter's sake alone)
+        prod = np.matmul(a32.astype(np.float64), b32.astype(np.float64)).astype(np.float32)
+        return interp.TensorHandle(prod + d.data, d.dtype.scalar)
 
     create_dot.__dict__["_cbp_fix"] = True  # marks the patched method: it is applied only once
     builder_cls.create_dot = create_dot
@@ -328,6 +337,38 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [num_tokens, hidden] input; the normalised rows are written to out_ptr
+    res_ptr,  # [num_tokens, hidden] residual (read and written when HAS_RESIDUAL)
+    w_ptr,  # [hidden] weight
+    out_ptr,  # [num_tokens, hidden]
+    stride_x,
+    stride_r,
+    stride_o,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per row, the whole row in one tile: the sum of squares is one fixed reduction of
+    # BLOCK (next power of two >= hidden) lanes, so a row's result depends on its own values only,
+    # whatever the number of rows (torch's reduction picks its thread layout from the row count).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        # residual + x, rounded to nearest as torch's add_ (the interpreter's float32 -> bfloat16 truncates)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(res_ptr + row * stride_r + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, 0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    y = w.to(tl.float32) * (h * inv).to(x.dtype).to(tl.float32)  # weight * round(x / rms), as torch
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _interpreted() -> bool:

@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache, host side: ``reshape_and_cache`` and ``paged_attention``.
+"""Triton kernels for the paged KV cache, host side: ``reshape_and_cache`` and ``paged_attention``; and the
+decoder layer's RMSNorm (``rms_norm``, ``fused_add_rms_norm``).
 
 Same signatures and semantics as :mod:`kernels.torch_ops` (the CPU path and the test oracle); the cache
 layout is stated once in ``kernels/__init__.py``. The device code, and the design of the unified
@@ -25,6 +26,7 @@ from kernels.triton_kernels import (  # noqa: F401  (re-exported: the bench comp
     LOG2E,
     _reduce_splits_kernel,
     _reshape_and_cache_kernel,
+    _rms_norm_kernel,
     _unified_attention_kernel,
 )
 
@@ -142,6 +144,7 @@ def plan_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    batch_invariant: bool = False,
 ) -> dict:
     """The launch configuration :func:`paged_attention` uses for these inputs (host-side only).
 
@@ -149,6 +152,9 @@ def plan_attention(
     ``num_warps``, ``num_stages``, ``num_splits`` and ``num_q_tiles`` (the grid's first dimension).
     Without the host lists, safe bounds from the shapes are used: every query may be long (so
     ``block_m`` = 64 for 16-bit inputs) and every context may fill its block-table row.
+    With ``batch_invariant`` the configuration depends on the model's shapes and dtype only (the tiles
+    of a prefill chunk, no split-KV): a query row is then reduced over its keys in the same tiles and
+    order whatever else the batch holds (see :func:`paged_attention`).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -162,6 +168,9 @@ def plan_attention(
         max_q_len = num_tokens - num_seqs + 1
     max_kv_len = max(seq_lens_list) if seq_lens_list is not None else block_tables.shape[1] * block_size
 
+    if batch_invariant:
+        max_q_len = 1 << 30  # the configuration of a batch with a prefill chunk, whatever this one holds
+        num_splits = num_splits or 1
     cfg = _default_config(query.dtype == torch.float32, head_dim, group, max_q_len)
     block_m = max(block_m or cfg["block_m"], group_pad, 16)
     assert block_m & (block_m - 1) == 0, "block_m must be a power of two"
@@ -203,6 +212,7 @@ def paged_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    batch_invariant: bool = False,
     **_unused,
 ) -> torch.Tensor:
     """Causal attention of a packed (varlen) batch over the paged KV cache, with GQA.
@@ -226,6 +236,10 @@ def paged_attention(
             pick tile sizes and the split count.
         num_splits, block_m, tile_n, num_warps, num_stages: force a configuration (tests, bench);
             ``num_splits`` and ``tile_n`` must be powers of two, ``block_m`` a power of two >= 16.
+        batch_invariant: one launch configuration for every batch (no split-KV; the tiles of a prefill
+            chunk also for decode): a row's output then depends on its own query and keys only, not on
+            the other sequences, their lengths or how the prompt was chunked. Costs the split-KV
+            speed-up of long contexts at small batches and decode tiles with more padding rows.
 
     Returns:
         ``out`` (allocated if not given), ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -253,6 +267,7 @@ def paged_attention(
     plan = plan_attention(
         query, key_cache, block_tables, num_seqs, seq_lens_list, query_start_loc_list,
         num_splits=num_splits, block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
+        batch_invariant=batch_invariant,
     )
     num_splits, d_pad = plan["num_splits"], plan["d_pad"]
 
@@ -321,3 +336,43 @@ def paged_attention(
         target.copy_(out)
         out = target
     return out
+
+
+def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor) -> None:
+    n, hidden = x.shape
+    if n == 0:
+        return
+    assert weight.shape == (hidden,) and out.shape == x.shape, (x.shape, weight.shape, out.shape)
+    assert x.stride(-1) == 1 and out.stride(-1) == 1 and weight.stride(-1) == 1, "rows need a contiguous last dim"
+    block = triton.next_power_of_2(hidden)
+    res = residual if residual is not None else x
+    assert res.stride(-1) == 1 and res.shape == x.shape
+    _rms_norm_kernel[(n,)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of each row in one Triton program per row (same contract as :func:`kernels.torch_ops.rms_norm`).
+
+    Args:
+        x: ``[num_tokens, hidden]`` float32/float16/bfloat16, contiguous last dim; weight: ``[hidden]``.
+        out: optional ``[num_tokens, hidden]`` destination (may be ``x``).
+
+    Returns:
+        ``[num_tokens, hidden]`` in ``x.dtype``. The sum of squares is one fixed reduction per row, so a
+        row's result does not depend on how many rows the call has (batch invariant).
+    """
+    if out is None:
+        out = torch.empty_like(x)
+    _rms_norm_launch(x, None, weight, eps, out)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, one pass: ``residual = x + residual`` (rounded to the dtype), then ``x = rms_norm(residual)``
+    (as :func:`kernels.torch_ops.fused_add_rms_norm`). Both ``[num_tokens, hidden]``, contiguous last dim."""
+    _rms_norm_launch(x, residual, weight, eps, x)

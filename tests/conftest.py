@@ -37,6 +37,17 @@ def make_tiny_model(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(cfg).eval()
 
 
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``vocab_size`` ids, token ``i`` = the word ``t{i}`` (no files: the device
+    machine has no GGUF tokenizer; engine tests that pass token ids need one only to detokenize)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", pad_token="t0", unk_token="t0")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer):
     return make_tiny_model(len(tokenizer))
@@ -58,3 +69,32 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              temperature=None, top_p=None, top_k=None)
     return out[0, len(input_ids):].tolist()
+
+
+def run_beside_neighbours(model, tokenizer, prompt, target, neighbours, cfg: dict, target_after_steps: int,
+                          twice: bool):
+    """For the batch-invariance tests (CPU and CUDA): the ``target`` request's (token ids, logprobs) in a
+    batch-invariant engine with ``neighbours`` ((prompt, params) pairs) added first and the target after
+    ``target_after_steps`` steps; with ``twice`` the target runs once before (so its prompt now hits the
+    prefix cache). Every block must be back in the pool at the end."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    eng = EngineCore(EngineConfig(**cfg, batch_invariant=True), model=model, tokenizer=tokenizer)
+    if twice:
+        eng.add_request("warm", prompt, target)
+        while eng.has_unfinished_requests():
+            eng.step()
+    for i, (p, sp) in enumerate(neighbours):
+        eng.add_request(f"n{i}", p, sp)
+    for _ in range(target_after_steps):
+        if eng.has_unfinished_requests():
+            eng.step()
+    eng.add_request("target", prompt, target)
+    got = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "target" and o.finished:
+                got = o
+    assert eng.kv.pool.num_used_blocks == 0
+    return got.token_ids, [lp[1] for lp in got.outputs[0].logprobs]

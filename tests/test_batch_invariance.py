@@ -9,11 +9,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernels
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.request import SamplingParams
 from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
 from tests.conftest import make_tiny_model
+from tests.conftest import run_beside_neighbours as _run
 
 pytestmark = pytest.mark.skipif(not kernels.cpp_available(), reason="needs the C++ CPU kernels")
 
@@ -39,31 +38,6 @@ def test_tiled_linear_row_depends_on_its_own_values_only(dtype, shape):
             xx = x[1 : m + 1].clone()
             xx[j] = x[0]
             assert torch.equal(lin(xx)[j], alone[0]), (m, j)
-
-
-def _run(model, tokenizer, prompt, target: SamplingParams, neighbours, cfg, target_after_steps: int,
-         twice: bool):
-    """The target request's (token ids, logprobs) in an engine with ``neighbours`` ((prompt, params)
-    pairs) added first and the target after ``target_after_steps`` steps; with ``twice`` the target runs
-    once before (so its prompt now hits the prefix cache)."""
-    eng = EngineCore(EngineConfig(**cfg, batch_invariant=True), model=model, tokenizer=tokenizer)
-    if twice:
-        eng.add_request("warm", prompt, target)
-        while eng.has_unfinished_requests():
-            eng.step()
-    for i, (p, sp) in enumerate(neighbours):
-        eng.add_request(f"n{i}", p, sp)
-    for _ in range(target_after_steps):
-        if eng.has_unfinished_requests():
-            eng.step()
-    eng.add_request("target", prompt, target)
-    got = None
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.request_id == "target" and o.finished:
-                got = o
-    assert eng.kv.pool.num_used_blocks == 0
-    return got.token_ids, [lp[1] for lp in got.outputs[0].logprobs]
 
 
 prompt_st = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=70)

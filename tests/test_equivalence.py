@@ -81,3 +81,28 @@ def test_greedy_matches_transformers_generate_cuda():
     for cfg in (CONFIGS["plenty"], CONFIGS["preempting"], CONFIGS["chunked"]):
         _, got = run_engine(model, tok, prompts, **cfg)
         assert got == refs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_matches_transformers_generate_cuda_random_weights():
+    """The same check on a GPU without the embedded GGUF (the device machine has none): SmolLM2-135M's
+    shapes with random weights, float32, token-id prompts, in the default and the batch-invariant mode."""
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import word_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to("cuda").eval()
+    tok = word_tokenizer(49152)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 60))] for _ in MAX_TOKENS]
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    for cfg_ in (CONFIGS["plenty"], CONFIGS["preempting"], CONFIGS["chunked"], dict(num_blocks=256, batch_invariant=True)):
+        _, got = run_engine(model, tok, prompts, **cfg_)
+        assert got == refs, cfg_

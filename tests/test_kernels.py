@@ -296,6 +296,56 @@ def test_paged_attention_edge_cases(tops):
     assert_close(res, ref, torch.float32, b, rows=rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_batch_invariant(tops, dtype):
+    """``batch_invariant=True``: a row's output is bit-equal whatever shares the launch: a decode row
+    alone or beside a prefill chunk and long contexts (which would pick split-KV and prefill tiles), and
+    the last row of a prompt chunk equal to the same row computed as a decode step."""
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(rng.randint(520, 700), 1), (rng.randint(2, 40), 1), (rng.randint(30, 60), rng.randint(5, 12)),
+            (rng.randint(8, 20), 1)]
+    b = Batch(seed, seqs, block_size=16, num_kv_heads=1, group=3, head_dim=64, dtype=dtype)
+    plan = tops.plan_attention(b.query, b.key_cache, b.block_tables, len(seqs), **b.lists())
+    assert plan["num_splits"] > 1, plan  # the automatic choice would split this batch
+    mixed = tops.paged_attention(*b.args(), batch_invariant=True, **b.lists())
+    assert_close(mixed, b.reference(), dtype, b)
+    qsl = b.qsl.tolist()
+    for i, (ctx, _) in enumerate(seqs):
+        last = qsl[i + 1] - 1  # the sequence's last query row, attending keys 0..ctx-1
+        alone = tops.paged_attention(
+            b.query[last : last + 1], b.key_cache, b.value_cache, b.block_tables[i : i + 1],
+            b.seq_lens[i : i + 1], torch.tensor([0, 1], dtype=b.qsl.dtype, device=b.device), b.scale,
+            batch_invariant=True, seq_lens_list=[ctx], query_start_loc_list=[0, 1])
+        assert torch.equal(alone[0], mixed[last]), (b, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_rms_norm_matches_torch_and_is_per_row(tops, dtype, hidden):
+    """The Triton RMSNorm (plain and with the residual add fused) against the torch reference; the
+    residual bit-equal (on the GPU); each row's output the same alone as in a batch of 7."""
+    g = torch.Generator().manual_seed(_seed())
+    x = (torch.randn(7, hidden, generator=g) * 3).to(dtype).to(DEVICE)
+    r = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+    ref = torch_ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(tops.rms_norm(x, w, 1e-5), ref, rtol=2 * ulp, atol=1e-6)
+    xa, ra, xb, rb = x.clone(), r.clone(), x.clone(), r.clone()
+    tops.fused_add_rms_norm(xa, ra, w, 1e-5)
+    torch_ops.fused_add_rms_norm(xb, rb, w, 1e-5)
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(ra, rb)
+    else:  # the interpreter rounds float32 -> bfloat16 towards zero (the GPU to nearest): one step apart
+        torch.testing.assert_close(ra, rb, rtol=ulp, atol=0)
+    torch.testing.assert_close(xa, torch_ops.rms_norm(ra, w, 1e-5), rtol=2 * ulp, atol=1e-6)
+    batch = tops.rms_norm(x, w, 1e-5)
+    for i in (0, 3, 6):
+        assert torch.equal(tops.rms_norm(x[i : i + 1], w, 1e-5)[0], batch[i])
+    assert tops.rms_norm(x[:0], w, 1e-5).shape == (0, hidden)
+
+
 def test_choose_num_splits(tops):
     # plenty of programs: no split; few programs and long contexts: a power of two, capped
     assert tops._choose_num_splits(active_programs=1000, max_kv_len=8192, sm_count=132) == 1
@@ -355,8 +405,8 @@ def test_kernels_compile_for_hopper(tops):
     r = subprocess.run([sys.executable, "-m", "bench.compile_report", "--check"], cwd=root, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("attention", "reduce", "reshape_and_cache"))]
-    assert len(lines) == 6, r.stdout
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("attention", "reduce", "reshape_and_cache", "rms_norm"))]
+    assert len(lines) == 8, r.stdout
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from engine.core import EngineCore
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.static_decode import capture_sizes
+from tests.conftest import word_tokenizer
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_slots():
@@ -123,16 +124,6 @@ def test_real_model_float32_greedy_tokens_equal_with_and_without_static_decode()
     assert outs["on"] == outs["off"]
 
 
-def _word_tokenizer(vocab_size: int):
-    """A word-level tokenizer over ``vocab_size`` ids (the device machine has no GGUF tokenizer)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", pad_token="t0", unk_token="t0")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_gives_the_eager_tokens():
@@ -142,7 +133,7 @@ def test_cuda_graph_replay_gives_the_eager_tokens():
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg).to("cuda").eval()
-    tok = _word_tokenizer(512)
+    tok = word_tokenizer(512)
     schedule = {0: [(f"r{i}", [3 + i, 40 + i, 7] * (i + 1), _greedy(12 + 3 * i)) for i in range(5)],
                 4: [("late", [9, 9, 9, 9, 9], _greedy(20))]}
     eager, _ = _run(model, tok, "off", schedule, num_blocks=64, max_num_seqs=8)

@@ -68,12 +68,14 @@ class LlamaLayer:
         layer: a transformers ``LlamaDecoderLayer`` (or Mistral / Qwen2's).
         index: its layer index (selects its K/V cache).
         cfg: the text config.
-        row_tile: the fixed row tile of every linear (batch-invariant mode) or None.
+        row_tile: the fixed row tile of every linear (batch-invariant mode: the attention then also runs
+            in one launch configuration for every batch) or None.
     """
 
     def __init__(self, layer, index: int, cfg, row_tile: int | None = None) -> None:
         att, mlp = layer.self_attn, layer.mlp
         self.index = index
+        self.batch_invariant = row_tile is not None
         self.head_dim = att.head_dim
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -114,6 +116,7 @@ class LlamaLayer:
             q.unflatten(1, (self.num_heads, self.head_dim)), key_cache, value_cache, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, self.scaling,
             seq_lens_list=meta.seq_lens_list, query_start_loc_list=meta.query_start_loc_list,
+            batch_invariant=self.batch_invariant,
         )
         x = self.o(attn.reshape(n, self.q_size))
         kernels.fused_add_rms_norm(x, residual, self.post_norm, self.eps)
@@ -128,7 +131,8 @@ class LlamaForward:
         batch_invariant: compute every linear in fixed tiles of
             :data:`kernels.cpu_linear.BATCH_INVARIANT_ROWS` rows, so that a row's logits do not depend on
             the other rows of the step (see :class:`kernels.cpu_linear.Linear`; the other operations are
-            per row already, and the C++ paged attention reads each sequence's keys in one fixed order).
+            per row already, the C++ paged attention reads each sequence's keys in one fixed order, and
+            the Triton one then runs in one launch configuration for every batch, without split-KV).
 
     Raises:
         ValueError: when the architecture is not supported (the reason in the message).

@@ -1,0 +1,54 @@
+"""Batch invariance on CUDA (``EngineConfig.batch_invariant``): the same property as
+``tests/test_batch_invariance.py`` on the GPU path: the own forward with cuBLAS linears in fixed row
+tiles, the Triton RMSNorm (one program per row) and the Triton attention in its one batch-invariant
+launch configuration, with decode steps replayed from CUDA graphs. A SmolLM2-shaped model (hidden 576,
+9 query and 3 KV heads) with 2 layers and random weights; up to 63 neighbours and prompts long enough
+that the automatic attention plan would split the keys. Skipped without CUDA."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.request import SamplingParams
+from tests.conftest import run_beside_neighbours as _run
+from tests.conftest import word_tokenizer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VOCAB = 2048
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def model(request):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).to(device="cuda", dtype=request.param).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer(VOCAB)
+
+
+def _prompt(max_size):
+    return st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=max_size)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=_prompt(700), neighbours=st.lists(st.tuples(_prompt(300), st.integers(1, 12), st.sampled_from([0.0, 0.9])),
+                                              max_size=63),
+       budget=st.sampled_from([8192, 64, 512]), after=st.integers(0, 3), twice=st.booleans(),
+       seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
+def test_cuda_target_tokens_do_not_depend_on_the_batch(model, tok, prompt, neighbours, budget, after, twice, seed,
+                                                       greedy):
+    target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
+                            ignore_eos=True, logprobs=0)
+    alone = _run(model, tok, prompt, target, [], dict(num_blocks=512, enable_prefix_caching=False), 0, False)
+    mixed_neighbours = [(p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)) for p, n, t in neighbours]
+    cfg = dict(num_blocks=2048, max_num_batched_tokens=budget, prefill_chunk_tokens=min(budget, 256))
+    assert _run(model, tok, prompt, target, mixed_neighbours, cfg, after, twice) == alone
