@@ -72,15 +72,15 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 def run_beside_neighbours(model, tokenizer, prompt, target, neighbours, cfg: dict, target_after_steps: int,
-                          twice: bool):
-    """For the batch-invariance tests (CPU and CUDA): the ``target`` request's (token ids, logprobs) in a
-    batch-invariant engine with ``neighbours`` ((prompt, params) pairs) added first and the target after
-    ``target_after_steps`` steps; with ``twice`` the target runs once before (so its prompt now hits the
-    prefix cache). Every block must be back in the pool at the end."""
+                          twice: bool, batch_invariant: bool = True):
+    """For the batch-invariance tests (CPU and CUDA): the ``target`` request's (token ids, logprobs) in an
+    engine (batch-invariant unless ``batch_invariant`` is False) with ``neighbours`` ((prompt, params)
+    pairs) added first and the target after ``target_after_steps`` steps; with ``twice`` the target runs
+    once before (so its prompt now hits the prefix cache). Every block must be back in the pool."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    eng = EngineCore(EngineConfig(**cfg, batch_invariant=True), model=model, tokenizer=tokenizer)
+    eng = EngineCore(EngineConfig(**cfg, batch_invariant=batch_invariant), model=model, tokenizer=tokenizer)
     if twice:
         eng.add_request("warm", prompt, target)
         while eng.has_unfinished_requests():
