@@ -22,6 +22,7 @@ SGLang's; the code is ours.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -177,7 +178,23 @@ class StaticDecode:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Capture the forward of every size, the largest first, into graphs sharing one memory pool."""
+        """Capture the forward of every size, the largest first, into graphs sharing one memory pool.
+
+        Python's garbage collector is run first and kept off while capturing: an engine dropped earlier
+        (a fresh engine per demo run, a test) may hold CUDA graphs in reference cycles, and destroying
+        them in the middle of this capture invalidates it ("operation failed due to a previous error
+        during capture"; seen on an H200 when engines were built one after another). vLLM freezes the
+        collector around its captures for the same reason."""
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()

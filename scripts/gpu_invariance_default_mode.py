@@ -47,6 +47,7 @@ def main(trials: int) -> None:
                 c[0] += alone[0] == mixed[0]
                 c[1] += alone[1] == mixed[1]
                 c[2] += 1
+            print(f"  {dtype} trial {t}: {len(neighbours)} neighbours, budget {budget}", flush=True)
         for bi, (tok_eq, lp_eq, n) in counts.items():
             mode = "batch-invariant" if bi else "default"
             print(f"{str(dtype):15} {mode:16} tokens equal {tok_eq}/{n}  logprobs bit-equal {lp_eq}/{n}", flush=True)
