@@ -32,6 +32,21 @@ def test_static_decode_is_off_on_cpu_by_default_and_rejects_unknown_values(tiny_
         EngineConfig(static_decode="maybe")
 
 
+def test_capture_runs_after_a_collection_with_the_collector_off(monkeypatch):
+    """Graphs of an engine dropped in a reference cycle must not be destroyed in the middle of another
+    engine's capture (that invalidated it on an H200): the collector runs first and is off while capturing."""
+    import gc
+
+    from engine.static_decode import StaticDecode
+
+    seen, calls = [], []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(StaticDecode, "_capture_all", lambda self: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    StaticDecode._capture(object.__new__(StaticDecode))
+    assert calls == ["collect"] and seen == [False] and gc.isenabled()
+
+
 def _run(model, tokenizer, static: str, schedule, **kw) -> tuple[dict[str, list[int]], EngineCore]:
     """``schedule``: per step index, the ``(id, prompt, params)`` added before that step."""
     cfg = EngineConfig(**({"num_blocks": 40, "block_size": 4, "max_num_seqs": 6, "static_decode": static} | kw))
