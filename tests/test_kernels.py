@@ -303,11 +303,19 @@ def test_paged_attention_batch_invariant(tops, dtype):
     the last row of a prompt chunk equal to the same row computed as a decode step."""
     seed = _seed()
     rng = random.Random(seed)
-    seqs = [(rng.randint(520, 700), 1), (rng.randint(2, 40), 1), (rng.randint(30, 60), rng.randint(5, 12)),
-            (rng.randint(8, 20), 1)]
+    chunk = rng.randint(16, 24) if dtype == torch.bfloat16 else rng.randint(5, 12)  # 16-bit: a chunk of 64 rows
+    seqs = [(rng.randint(520, 700), 1), (rng.randint(2, 40), 1), (rng.randint(40, 60), chunk), (rng.randint(8, 20), 1)]
     b = Batch(seed, seqs, block_size=16, num_kv_heads=1, group=3, head_dim=64, dtype=dtype)
     plan = tops.plan_attention(b.query, b.key_cache, b.block_tables, len(seqs), **b.lists())
     assert plan["num_splits"] > 1, plan  # the automatic choice would split this batch
+    if dtype == torch.bfloat16:  # and run a decode row alone in a smaller tile than beside the chunk
+        alone_plan = tops.plan_attention(b.query[:1], b.key_cache, b.block_tables[:1], 1, [seqs[0][0]], [0, 1])
+        assert alone_plan["block_m"] < plan["block_m"], (alone_plan, plan)
+    fixed = ("block_m", "tile_n", "num_splits", "num_warps", "num_stages")
+    p_mixed = tops.plan_attention(b.query, b.key_cache, b.block_tables, len(seqs), batch_invariant=True, **b.lists())
+    p_alone = tops.plan_attention(b.query[:1], b.key_cache, b.block_tables[:1], 1, [seqs[0][0]], [0, 1],
+                                  batch_invariant=True)
+    assert [p_mixed[k] for k in fixed] == [p_alone[k] for k in fixed] and p_mixed["num_splits"] == 1
     mixed = tops.paged_attention(*b.args(), batch_invariant=True, **b.lists())
     assert_close(mixed, b.reference(), dtype, b)
     qsl = b.qsl.tolist()
