@@ -110,6 +110,12 @@ def run_hf(model, tokenizer, requests) -> dict:
             "steps": len(run.steps)}
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     if len(results) > 3:
         print(f"ours (static) / transformers continuous batching: {on['tokens_per_s'] / results[3]['tokens_per_s']:.2f}x")
     env = {"device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu", "dtype": a.dtype,
-           "torch": torch.__version__, "n": a.n, "tiny": a.tiny}
+           "torch": torch.__version__, "transformers": _transformers_version(), "n": a.n, "tiny": a.tiny}
     print(json.dumps(env))
     if a.json:
         with open(a.json, "w") as f:

@@ -13,6 +13,7 @@ Two forwards, chosen once per engine (``EngineConfig.forward``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from engine.config import DEFAULT_KV_CACHE_MEMORY, FORWARDS, EngineConfig
 from engine.models import build_forward
 from engine.request import Request
 from engine.static_decode import StaticDecode
+
+log = logging.getLogger(__name__)
 
 ATTN_NAME = "cbp_paged"
 
@@ -144,6 +147,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.own_forward = build_forward(model, batch_invariant) if forward == "auto" else None
+        if batch_invariant and kernels.backend_for(torch.empty(0, device=self.device)) == "torch":
+            log.warning("batch-invariant mode: the attention runs on the torch path here (forced, or the C++ "
+                        "kernels did not build), which is not batch invariant: outputs may still change with the batch")
         if self.own_forward is None:
             register_attention()
             model.set_attn_implementation(ATTN_NAME)

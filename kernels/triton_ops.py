@@ -155,6 +155,10 @@ def plan_attention(
     With ``batch_invariant`` the configuration depends on the model's shapes and dtype only (the tiles
     of a prefill chunk, no split-KV): a query row is then reduced over its keys in the same tiles and
     order whatever else the batch holds (see :func:`paged_attention`).
+
+    Raises:
+        ValueError: ``batch_invariant`` together with a forced ``num_splits`` > 1, ``block_m``, ``tile_n``,
+            ``num_warps`` or ``num_stages``.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -169,8 +173,11 @@ def plan_attention(
     max_kv_len = max(seq_lens_list) if seq_lens_list is not None else block_tables.shape[1] * block_size
 
     if batch_invariant:
+        if num_splits not in (None, 1) or any(v is not None for v in (block_m, tile_n, num_warps, num_stages)):
+            raise ValueError("batch_invariant fixes the launch configuration: pass no num_splits, block_m, tile_n, "
+                             "num_warps or num_stages with it")
         max_q_len = 1 << 30  # the configuration of a batch with a prefill chunk, whatever this one holds
-        num_splits = num_splits or 1
+        num_splits = 1
     cfg = _default_config(query.dtype == torch.float32, head_dim, group, max_q_len)
     block_m = max(block_m or cfg["block_m"], group_pad, 16)
     assert block_m & (block_m - 1) == 0, "block_m must be a power of two"

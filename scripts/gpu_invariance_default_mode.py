@@ -36,13 +36,14 @@ def main(trials: int) -> None:
                           for _ in range(rng.randint(1, 63))]
             target = SamplingParams(temperature=0.8, seed=t, max_tokens=10, ignore_eos=True, logprobs=0)
             budget = rng.choice([8192, 64, 512])
+            after, twice = rng.randint(0, 3), rng.random() < 0.5  # the same mix for both modes
             for bi in (True, False):
                 alone = run_beside_neighbours(model, tok, prompt, target, [], dict(num_blocks=512, enable_prefix_caching=False),
                                               0, False, batch_invariant=bi)
                 mixed = run_beside_neighbours(model, tok, prompt, target, neighbours,
                                               dict(num_blocks=2048, max_num_batched_tokens=budget,
                                                    prefill_chunk_tokens=min(budget, 256)),
-                                              rng.randint(0, 3), rng.random() < 0.5, batch_invariant=bi)
+                                              after, twice, batch_invariant=bi)
                 c = counts[bi]
                 c[0] += alone[0] == mixed[0]
                 c[1] += alone[1] == mixed[1]

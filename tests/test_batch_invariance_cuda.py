@@ -7,7 +7,7 @@ that the automatic attention plan would split the keys. Skipped without CUDA."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.request import SamplingParams
@@ -36,14 +36,22 @@ def tok():
 
 
 def _prompt(max_size):
-    return st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=max_size)
+    """Token-id prompts whose length is drawn first (uniform in 1..max_size), so long prompts are common."""
+    return st.integers(1, max_size).flatmap(
+        lambda n: st.lists(st.integers(3, VOCAB - 1), min_size=n, max_size=n))
+
+
+def _ids(n, start):
+    return [3 + (start + 7 * i) % (VOCAB - 3) for i in range(n)]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=_prompt(700), neighbours=st.lists(st.tuples(_prompt(300), st.integers(1, 12), st.sampled_from([0.0, 0.9])),
-                                              max_size=63),
+@given(prompt=_prompt(700), neighbours=st.integers(0, 63).flatmap(lambda n: st.lists(
+           st.tuples(_prompt(300), st.integers(1, 12), st.sampled_from([0.0, 0.9])), min_size=n, max_size=n)),
        budget=st.sampled_from([8192, 64, 512]), after=st.integers(0, 3), twice=st.booleans(),
        seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
+@example(prompt=_ids(700, 0), neighbours=[(_ids(40 + 4 * i, i), 1 + i % 12, 0.9) for i in range(63)], budget=64,
+         after=2, twice=True, seed=1, greedy=False)  # long context, 63 neighbours, chunked, a prefix-cache hit
 def test_cuda_target_tokens_do_not_depend_on_the_batch(model, tok, prompt, neighbours, budget, after, twice, seed,
                                                        greedy):
     target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,

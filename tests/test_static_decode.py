@@ -46,6 +46,14 @@ def test_capture_runs_after_a_collection_with_the_collector_off(monkeypatch):
     StaticDecode._capture(object.__new__(StaticDecode))
     assert calls == ["collect"] and seen == [False] and gc.isenabled()
 
+    def fail(self):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(StaticDecode, "_capture_all", fail)
+    with pytest.raises(RuntimeError):
+        StaticDecode._capture(object.__new__(StaticDecode))
+    assert gc.isenabled()  # a capture that raises leaves the collector on
+
 
 def _run(model, tokenizer, static: str, schedule, **kw) -> tuple[dict[str, list[int]], EngineCore]:
     """``schedule``: per step index, the ``(id, prompt, params)`` added before that step."""
