@@ -116,7 +116,7 @@ def compile_rms_norm(dtype: str, hidden: int, residual: bool, arch: int = 90):
     t = _TL[dtype]
     ptr = {"x_ptr": t, "res_ptr": t, "w_ptr": t, "out_ptr": t}
     return _compile(triton_ops._rms_norm_kernel, ptr, {"eps"}, dict(HAS_RESIDUAL=residual, BLOCK=block),
-                    min(16, max(1, block // 256)), 1, arch)
+                    triton_ops.rms_norm_warps(block), 1, arch)
 
 
 def resources(kernel) -> dict:

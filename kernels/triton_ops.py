@@ -345,6 +345,11 @@ def paged_attention(
     return out
 
 
+def rms_norm_warps(block: int) -> int:
+    """Warps of one RMSNorm program over a row tile of ``block`` lanes (the launch and bench.compile_report)."""
+    return min(16, max(1, block // 256))
+
+
 def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
     n, hidden = x.shape
@@ -358,7 +363,7 @@ def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     _rms_norm_kernel[(n,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=rms_norm_warps(block),
     )
 
 

@@ -71,6 +71,46 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(input_ids):].tolist()
 
 
+SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                      tie_word_embeddings=True)  # SmolLM2-135M's widths and heads
+
+
+def smollm2_shaped_model(vocab_size: int, num_layers: int, max_positions: int, *, seed: int, device: str,
+                         dtype: torch.dtype = torch.float32, **config):
+    """A Llama with SmolLM2-135M's widths and heads (hidden 576, 9 query and 3 KV heads), ``num_layers``
+    layers and random weights from ``seed``, on ``device`` in ``dtype``; ``config`` overrides LlamaConfig
+    fields (the device machine has no GGUF)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=max_positions,
+                      **{**SMOLLM2_SHAPES, **config})
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def invariance_target(greedy: bool, seed: int):
+    """The target request of the batch-invariance checks: 10 tokens, EOS ignored, its logprobs kept; greedy, or
+    seeded sampling at temperature 0.8."""
+    from engine.request import SamplingParams
+
+    return SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
+                          ignore_eos=True, logprobs=0)
+
+
+def target_alone_and_beside(model, tokenizer, prompt, target, neighbours, *, alone_blocks: int, mixed_blocks: int,
+                            budget: int, chunk_cap: int, after: int, twice: bool, batch_invariant: bool = True):
+    """The target's (token ids, logprobs) alone (no prefix caching) and beside ``neighbours``
+    ((prompt, max_tokens, temperature) triples, EOS ignored) with a step budget of ``budget`` tokens and
+    prefill chunks of at most ``min(budget, chunk_cap)``; see :func:`run_beside_neighbours`."""
+    from engine.request import SamplingParams
+
+    alone = run_beside_neighbours(model, tokenizer, prompt, target, [],
+                                  dict(num_blocks=alone_blocks, enable_prefix_caching=False), 0, False, batch_invariant)
+    beside = [(p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)) for p, n, t in neighbours]
+    cfg = dict(num_blocks=mixed_blocks, max_num_batched_tokens=budget, prefill_chunk_tokens=min(budget, chunk_cap))
+    return alone, run_beside_neighbours(model, tokenizer, prompt, target, beside, cfg, after, twice, batch_invariant)
+
+
 def run_beside_neighbours(model, tokenizer, prompt, target, neighbours, cfg: dict, target_after_steps: int,
                           twice: bool, batch_invariant: bool = True):
     """For the batch-invariance tests (CPU and CUDA): the ``target`` request's (token ids, logprobs) in an

@@ -9,10 +9,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernels
-from engine.request import SamplingParams
 from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
-from tests.conftest import make_tiny_model
-from tests.conftest import run_beside_neighbours as _run
+from tests.conftest import invariance_target, make_tiny_model, target_alone_and_beside
 
 pytestmark = pytest.mark.skipif(not kernels.cpp_available(), reason="needs the C++ CPU kernels")
 
@@ -49,9 +47,7 @@ neighbour_st = st.tuples(prompt_st, st.integers(1, 12), st.sampled_from([0.0, 0.
        after=st.integers(0, 3), twice=st.booleans(), seed=st.integers(0, 2**31 - 1), greedy=st.booleans())
 @example(prompt=[3] * 10, neighbours=[], budget=9, after=0, twice=False, seed=0, greedy=False)  # a chunk samples nothing
 def test_target_tokens_do_not_depend_on_the_batch(model, tokenizer, prompt, neighbours, budget, after, twice, seed, greedy):
-    target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
-                            ignore_eos=True, logprobs=0)
-    alone = _run(model, tokenizer, prompt, target, [], dict(num_blocks=128, enable_prefix_caching=False), 0, False)
-    mixed_neighbours = [(p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)) for p, n, t in neighbours]
-    cfg = dict(num_blocks=128, max_num_batched_tokens=budget, prefill_chunk_tokens=min(budget, 80))
-    assert _run(model, tokenizer, prompt, target, mixed_neighbours, cfg, after, twice) == alone
+    alone, mixed = target_alone_and_beside(model, tokenizer, prompt, invariance_target(greedy, seed), neighbours,
+                                           alone_blocks=128, mixed_blocks=128, budget=budget, chunk_cap=80,
+                                           after=after, twice=twice)
+    assert mixed == alone

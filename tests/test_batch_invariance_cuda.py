@@ -10,9 +10,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.request import SamplingParams
-from tests.conftest import run_beside_neighbours as _run
-from tests.conftest import word_tokenizer
+from tests.conftest import invariance_target, smollm2_shaped_model, target_alone_and_beside, word_tokenizer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,13 +19,7 @@ VOCAB = 2048
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def model(request):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).to(device="cuda", dtype=request.param).eval()
+    return smollm2_shaped_model(VOCAB, 2, 2048, seed=3, device="cuda", dtype=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +46,7 @@ def _ids(n, start):
          after=2, twice=True, seed=1, greedy=False)  # long context, 63 neighbours, chunked, a prefix-cache hit
 def test_cuda_target_tokens_do_not_depend_on_the_batch(model, tok, prompt, neighbours, budget, after, twice, seed,
                                                        greedy):
-    target = SamplingParams(temperature=0.0 if greedy else 0.8, seed=None if greedy else seed, max_tokens=10,
-                            ignore_eos=True, logprobs=0)
-    alone = _run(model, tok, prompt, target, [], dict(num_blocks=512, enable_prefix_caching=False), 0, False)
-    mixed_neighbours = [(p, SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)) for p, n, t in neighbours]
-    cfg = dict(num_blocks=2048, max_num_batched_tokens=budget, prefill_chunk_tokens=min(budget, 256))
-    assert _run(model, tok, prompt, target, mixed_neighbours, cfg, after, twice) == alone
+    alone, mixed = target_alone_and_beside(model, tok, prompt, invariance_target(greedy, seed), neighbours,
+                                           alone_blocks=512, mixed_blocks=2048, budget=budget, chunk_cap=256,
+                                           after=after, twice=twice)
+    assert mixed == alone

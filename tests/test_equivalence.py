@@ -90,15 +90,9 @@ def test_greedy_matches_transformers_generate_cuda_random_weights():
     shapes with random weights, float32, token-id prompts, in the default and the batch-invariant mode."""
     import random
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.conftest import smollm2_shaped_model, word_tokenizer
 
-    from tests.conftest import word_tokenizer
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).to("cuda").eval()
+    model = smollm2_shaped_model(49152, 30, 8192, seed=0, device="cuda", rms_norm_eps=1e-5, rope_theta=100000.0)
     tok = word_tokenizer(49152)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 60))] for _ in MAX_TOKENS]
