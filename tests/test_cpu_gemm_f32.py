@@ -21,11 +21,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @needs_gemm_f32
 @pytest.mark.parametrize("m,n,k", [(1, 16, 1), (2, 16, 64), (5, 48, 10), (6, 96, 64), (7, 32, 30), (13, 80, 96),
-                                   (9, 160, 7), (200, 32, 24), (0, 16, 8), (7, 32, 600)])
+                                   (9, 160, 7), (200, 32, 24), (0, 16, 8), (7, 32, 600), (33, 16, 8),
+                                   (450, 400, 48), (64, 1552, 20)])
 def test_gemm_f32_equals_its_torch_reference_bit_for_bit(m, n, k):
     """One float32 accumulator per output in k order, one FMA each, bias last: equal to the reference bit
     for bit, with and without a bias, for row counts on and off the micro-tile (6 rows on AVX2, 8 on
-    AVX-512), 1-10 column blocks, more than one 192-row panel, and for strided views of x."""
+    AVX-512), 1-10 column blocks, more than one 192-row panel, and for strided views of x. From 32 rows the
+    threads take units of panel x column blocks from a counter: 25 blocks over 3 panels and 97 blocks over
+    one leave a short last unit."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
@@ -55,8 +58,9 @@ def test_gemm_f32_row_results_do_not_depend_on_other_rows_or_threads():
     assert torch.equal(cpu_ops.gemm_f32(x[shuffled], packed), full[shuffled])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_ops.gemm_f32(x, packed), full)
+        for n in (1, 3):  # one thread walks every unit; three share units that two threads split differently
+            torch.set_num_threads(n)
+            assert torch.equal(cpu_ops.gemm_f32(x, packed), full)
     finally:
         torch.set_num_threads(threads)
     exact = x.double() @ w.double().T

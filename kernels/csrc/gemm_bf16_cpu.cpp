@@ -224,20 +224,18 @@ template <bool DP, typename X>
 void gemm_impl(const X* x, int64_t xs, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
                uint16_t* out, int64_t os) {
   const int64_t K2 = K / 2, bs = K * 16;  // elements per 16-column block
-  at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
-    walk_groups(first, last, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
-      const X* xp = x + m0 * xs;
-      const uint16_t* wg = w + b0 * bs;
-      const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
-      uint16_t* og = out + m0 * os + 16 * b0;
-      const uint16_t* next = w + nb0 * bs;
-      switch (nr) {
-        case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-        case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-        case 2: row_tiles<2, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-        default: row_tiles<1, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
-      }
-    });
+  parallel_groups(NB, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
+    const X* xp = x + m0 * xs;
+    const uint16_t* wg = w + b0 * bs;
+    const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
+    uint16_t* og = out + m0 * os + 16 * b0;
+    const uint16_t* next = w + nb0 * bs;
+    switch (nr) {
+      case 4: if constexpr (kMaxBlocks >= 4) row_tiles<4, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+      case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+      case 2: row_tiles<2, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+      default: row_tiles<1, DP>(xp, xs, rows, wg, bs, K2, bg, og, os, next, nnext); break;
+    }
   });
 }
 

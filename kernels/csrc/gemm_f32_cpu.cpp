@@ -134,19 +134,17 @@ void row_tiles(const float* x, int64_t xs, int64_t M, const float* w, int64_t bs
 void gemm_impl(const float* x, int64_t xs, int64_t M, int64_t K, const float* w, int64_t NB, const float* bias,
                float* out, int64_t os) {
   const int64_t bs = K * 16;  // elements per 16-column block
-  at::parallel_for(0, NB, 1, [&](int64_t first, int64_t last) {
-    walk_groups(first, last, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
-      const float* xp = x + m0 * xs;
-      const float* wg = w + b0 * bs;
-      const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
-      float* og = out + m0 * os + 16 * b0;
-      const float* next = w + nb0 * bs;
-      switch (nr) {
-        case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-        case 2: if constexpr (kMaxBlocks >= 2) row_tiles<2>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-        default: row_tiles<1>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
-      }
-    });
+  parallel_groups(NB, M, kPanelRows, kMaxBlocks, [&](int64_t m0, int64_t rows, int64_t b0, int nr, int64_t nb0, int nnext) {
+    const float* xp = x + m0 * xs;
+    const float* wg = w + b0 * bs;
+    const float* bg = bias == nullptr ? nullptr : bias + 16 * b0;
+    float* og = out + m0 * os + 16 * b0;
+    const float* next = w + nb0 * bs;
+    switch (nr) {
+      case 3: if constexpr (kMaxBlocks >= 3) row_tiles<3>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
+      case 2: if constexpr (kMaxBlocks >= 2) row_tiles<2>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
+      default: row_tiles<1>(xp, xs, rows, wg, bs, K, bg, og, os, next, nnext); break;
+    }
   });
 }
 
