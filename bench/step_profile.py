@@ -40,12 +40,23 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         "forward_ms": mean ms in the model's forward, "torch_table": str or None, "tokens_per_s": decode
         tokens/s at this batch, "forward": which forward ran, "floor": :func:`step_floor` measured in the
         same run}``.
+
+    Raises:
+        ValueError: the KV pool cannot hold every request at ``context + steps`` tokens at once (they would
+            preempt each other and the warm-up would never end).
     """
     import kernels
 
     engine_args.setdefault("max_num_seqs", max(64, num_requests))
     core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
     prompts = [render_chat(tokenizer, m) for m in chat_prompts(num_requests)]
+    bs = core.config.block_size
+    need = sum(-(-(len(ids) + context + steps + 8) // bs) for ids in prompts)
+    have = core.kv.pool.num_blocks
+    if need > have:  # the requests would preempt each other and never all reach `context` together
+        raise ValueError(f"{num_requests} requests at context {context} need {need} KV blocks of {bs} tokens; "
+                         f"the pool has {have} (raise --kv-cache-memory or --num-blocks, or lower "
+                         f"--profile-context)")
     for i, ids in enumerate(prompts):
         core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=context + steps + 8, ignore_eos=True))
     while True:

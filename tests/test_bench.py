@@ -181,6 +181,14 @@ def test_one_prompt_bank_serves_every_user():
     assert any("Continuous batching lets" in msgs[0]["content"] for msgs, _ in chats)  # a long preamble
 
 
+def test_decode_step_profile_refuses_a_pool_too_small_instead_of_spinning(clean_model, tokenizer):
+    from bench.step_profile import profile_decode_step
+
+    with pytest.raises(ValueError, match="KV blocks"):  # 3 requests at context 40 need more than 4 blocks
+        profile_decode_step(clean_model, tokenizer, num_requests=3, context=40, steps=2, torch_profile=False,
+                            num_blocks=4)
+
+
 def test_decode_step_profile_times_the_parts_and_puts_them_back(clean_model, tokenizer):
     from bench.step_profile import profile_decode_step
 
