@@ -50,15 +50,15 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     engine_args.setdefault("max_num_seqs", max(64, num_requests))
     core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
     prompts = [render_chat(tokenizer, m) for m in chat_prompts(num_requests)]
-    bs = core.config.block_size
-    need = sum(-(-(len(ids) + context + steps + 8) // bs) for ids in prompts)
+    max_tokens = context + steps + 8
+    need = sum(core.kv.blocks_needed(len(ids) + max_tokens) for ids in prompts)
     have = core.kv.pool.num_blocks
     if need > have:  # the requests would preempt each other and never all reach `context` together
-        raise ValueError(f"{num_requests} requests at context {context} need {need} KV blocks of {bs} tokens; "
-                         f"the pool has {have} (raise --kv-cache-memory or --num-blocks, or lower "
-                         f"--profile-context)")
+        raise ValueError(f"{num_requests} requests at context {context} need {need} KV blocks of "
+                         f"{core.kv.block_size} tokens; the pool has {have} (raise --kv-cache-memory or "
+                         f"--num-blocks, or lower --profile-context)")
     for i, ids in enumerate(prompts):
-        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=context + steps + 8, ignore_eos=True))
+        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while True:
         core.step()
         running = core.scheduler.running
