@@ -181,6 +181,13 @@ struct Store<at::BFloat16> {
 #endif
   }
   static inline float round(float x) { return static_cast<float>(at::BFloat16(x)); }
+  // v rounded to bfloat16 and widened back, in registers: the bits vec() then a load would give
+  static inline vfloat rounded(vfloat v) {
+    vint u = (vint)v;
+    vint r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    r = v != v ? vint{} + 0x7fc0 : r;
+    return (vfloat)(r << 16);
+  }
 };
 
 template <>

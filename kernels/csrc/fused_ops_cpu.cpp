@@ -32,6 +32,8 @@ template <typename T>
 static inline vfloat vround(vfloat v) {
   if constexpr (std::is_same<T, float>::value) {
     return v;
+  } else if constexpr (std::is_same<T, at::BFloat16>::value) {
+    return Store<T>::rounded(v);  // in registers (a store and a reload through memory cost 1.3x in SiLU-and-mul)
   } else {
     alignas(64) T tmp[VL];
     Store<T>::vec(tmp, v);
@@ -149,7 +151,9 @@ static inline vfloat vsilu(vfloat g) {
   vfloat a = g < 0 ? -g : g;
   vfloat e = vexp2<7>(-a * LOG2E_F);
   vfloat one_ = vset1(1.0f);
-  vfloat sig = g < 0 ? e / (one_ + e) : one_ / (one_ + e);
+  // the numerator is chosen before the one division (the two quotients of a vector select would be two
+  // divisions, the slowest vector instruction here): the same values, bit for bit
+  vfloat sig = (g < 0 ? e : one_) / (one_ + e);
   return g * sig;
 }
 
