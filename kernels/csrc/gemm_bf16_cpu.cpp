@@ -35,8 +35,8 @@
 //
 // Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for
 // Rapidly Instantiating BLAS Functionality", ACM TOMS 2015): a micro-tile is MR <= 8 rows x NR <= 3
-// column blocks, 24 zmm accumulators (the VDPBF16PS path: 7 x 4 from 16 rows, see kWideRows); per pair of k it loads NR weight vectors, widens each into an even
-// and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call); the
+// column blocks, 24 zmm accumulators (the VDPBF16PS path: 7 x 4 from 16 rows, see kWideRows); per pair
+// of k it loads NR weight vectors, widens each into an even and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call); the
 // VDPBF16PS tiles instead broadcast MR pairs of x (bfloat16, not widened) and feed the weight vectors as
 // they are. Each row
 // tile reads its group's weights once more, so 8 rows (a decode step of 8 chats in one tile) ran the
@@ -84,8 +84,8 @@ constexpr int64_t kPanelRows = CBP_GEMM_PANEL;  // rows of x that pass over one 
 // The VDPBF16PS path's tile from kWideMinRows rows on: 7 rows x 4 blocks (28 accumulators; the MR
 // broadcasts become memory operands of the instructions). Per pair of k it loads 4 weight vectors for 28
 // instructions instead of 3 for 24. On a 2-vCPU AMD EPYC (Zen 4: family 25 model 17), SmolLM2's four
-// layer linears: 1.02-1.04x at 16-64 rows, 1.06-1.09x at 512-2048 (then above oneDNN's bfloat16 GEMM by
-// 1.03x); at 8 rows one 8 x 3 tile stays faster (the LM head: 1.06x). Any tile gives the same
+// layer linears: 1.03-1.08x at 16-64 rows, 1.06-1.07x at 512-2048 (then ahead of oneDNN's bfloat16 GEMM
+// by 1.02-1.03x); at 8 rows one 8 x 3 tile stays faster (the LM head: 1.06x). Not measured on Zen 5. Any tile gives the same
 // instructions per output in the same k order, so the choice by row count keeps results bit-identical.
 #ifndef CBP_GEMM_DP_WIDE_MR
 #define CBP_GEMM_DP_WIDE_MR 7
