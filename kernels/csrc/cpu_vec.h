@@ -167,11 +167,15 @@ struct Store<float> {
 
 template <>
 struct Store<at::BFloat16> {
-  static inline void vec(at::BFloat16* p, vfloat v) {
+  // the bfloat16 bits of each lane in its low 16 bits: nearest even, NaN as the quiet 0x7fc0 (the upper
+  // bits are sign fill, dropped by the narrowing store or the shift back)
+  static inline vint bits(vfloat v) {
     vint u = (vint)v;
-    vint lsb = (u >> 16) & 1;
-    vint r = (u + 0x7fff + lsb) >> 16;
-    r = v != v ? vint{} + 0x7fc0 : r;
+    vint r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    return v != v ? vint{} + 0x7fc0 : r;
+  }
+  static inline void vec(at::BFloat16* p, vfloat v) {
+    const vint r = bits(v);
 #if defined(__AVX512F__)
     // one truncating move (VPMOVDW); the generic narrowing below is split into 256-bit halves by GCC
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)r));
@@ -182,12 +186,7 @@ struct Store<at::BFloat16> {
   }
   static inline float round(float x) { return static_cast<float>(at::BFloat16(x)); }
   // v rounded to bfloat16 and widened back, in registers: the bits vec() then a load would give
-  static inline vfloat rounded(vfloat v) {
-    vint u = (vint)v;
-    vint r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-    r = v != v ? vint{} + 0x7fc0 : r;
-    return (vfloat)(r << 16);
-  }
+  static inline vfloat rounded(vfloat v) { return (vfloat)(bits(v) << 16); }
 };
 
 template <>

@@ -33,18 +33,17 @@
 // therefore depends on its own values only: the GEMM is batch invariant by construction. The bias is
 // added once at the end, then the sum is rounded to bfloat16 (nearest even, as torch's conversion).
 //
-// Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for
-// Rapidly Instantiating BLAS Functionality", ACM TOMS 2015): a micro-tile is MR <= 8 rows x NR <= 3
-// column blocks, 24 zmm accumulators (the VDPBF16PS path: 7 x 4 from 16 rows, see kWideRows); per pair
-// of k it loads NR weight vectors, widens each into an even and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per call); the
-// VDPBF16PS tiles instead broadcast MR pairs of x (bfloat16, not widened) and feed the weight vectors as
-// they are. Each row
-// tile reads its group's weights once more, so 8 rows (a decode step of 8 chats in one tile) ran the
-// step's linears 1.17-1.25x faster than 6 (6 + 2), and 12-512 rows 1.03-1.09x; widening a group to float32
-// once per panel instead of in every tile gained nothing (one process A/B on the 2-core Xeon above). The
-// columns are split among torch's threads in contiguous ranges of blocks; each thread walks its range NR
-// blocks at a time and, for each group, all row tiles of a panel of kPanelRows rows, so the group's
-// weights (96 * K bytes) stay in L2 while the panel's rows pass over them.
+// Tiling (register blocking as in BLIS micro-kernels: Van Zee and van de Geijn, "BLIS: A Framework for Rapidly
+// Instantiating BLAS Functionality", ACM TOMS 2015): a micro-tile is MR <= 8 rows x NR <= 3 column blocks, 24 zmm
+// accumulators (the VDPBF16PS path: 7 x 4 from 16 rows, see kWideRows); per pair of k it loads NR weight vectors,
+// widens each into an even and an odd vector, and broadcasts 2 x MR values of x (x is widened to float32 once per
+// call); the VDPBF16PS tiles instead broadcast MR pairs of x (bfloat16, not widened) and feed the weight vectors as
+// they are. Each row tile reads its group's weights once more, so 8 rows (a decode step of 8 chats in one tile) ran the
+// step's linears 1.17-1.25x faster than 6 (6 + 2), and 12-512 rows 1.03-1.09x; widening a group to float32 once per
+// panel instead of in every tile gained nothing (one process A/B on the 2-core Xeon above). The columns are split among
+// torch's threads in contiguous ranges of blocks; each thread walks its range NR blocks at a time and, for each group,
+// all row tiles of a panel of kPanelRows rows, so the group's weights (96 * K bytes) stay in L2 while the panel's rows
+// pass over them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -85,8 +84,9 @@ constexpr int64_t kPanelRows = CBP_GEMM_PANEL;  // rows of x that pass over one 
 // broadcasts become memory operands of the instructions). Per pair of k it loads 4 weight vectors for 28
 // instructions instead of 3 for 24. On a 2-vCPU AMD EPYC (Zen 4: family 25 model 17), SmolLM2's four
 // layer linears: 1.03-1.08x at 16-64 rows, 1.06-1.07x at 512-2048 (then ahead of oneDNN's bfloat16 GEMM
-// by 1.02-1.03x); at 8 rows one 8 x 3 tile stays faster (the LM head: 1.06x). Not measured on Zen 5. Any tile gives the same
-// instructions per output in the same k order, so the choice by row count keeps results bit-identical.
+// by 1.02-1.03x); at 8 rows one 8 x 3 tile stays faster (the LM head: 1.06x). Not measured on Zen 5.
+// Any tile gives the same instructions per output in the same k order, so the choice by row count keeps
+// results bit-identical.
 #ifndef CBP_GEMM_DP_WIDE_MR
 #define CBP_GEMM_DP_WIDE_MR 7
 #endif
