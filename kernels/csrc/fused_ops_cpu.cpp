@@ -27,20 +27,6 @@ namespace {
 
 constexpr float LOG2E_F = 1.4426950408889634f;
 
-// a vector rounded to T and back (the value a store then a load would give)
-template <typename T>
-static inline vfloat vround(vfloat v) {
-  if constexpr (std::is_same<T, float>::value) {
-    return v;
-  } else if constexpr (std::is_same<T, at::BFloat16>::value) {
-    return Store<T>::rounded(v);  // in registers (a store and a reload through memory cost 1.3x in SiLU-and-mul)
-  } else {
-    alignas(64) T tmp[VL];
-    Store<T>::vec(tmp, v);
-    return Cvt<T>::load(tmp);
-  }
-}
-
 template <typename T>
 static inline float one(const T* p) {
   return Cvt<T>::one(*p);
@@ -69,7 +55,7 @@ static inline void scale_row(T* out, const T* x, const T* w, int64_t H, float in
   int64_t i = 0;
   const vfloat vi = vset1(inv);
   for (; i + VL <= H; i += VL) {
-    vfloat n = vround<T>(Cvt<T>::load(x + i) * vi);
+    vfloat n = Store<T>::rounded(Cvt<T>::load(x + i) * vi);
     Store<T>::vec(out + i, Cvt<T>::load(w + i) * n);
   }
   for (; i < H; ++i) out[i] = T(one(w + i) * Store<T>::round(one(x + i) * inv));
@@ -111,7 +97,8 @@ static inline void rope_head(T* p, const T* cs, const T* sn, int64_t half) {
   for (; i + VL <= half; i += VL) {
     vfloat x1 = Cvt<T>::load(p + i), x2 = Cvt<T>::load(p + half + i);
     vfloat c = Cvt<T>::load(cs + i), s = Cvt<T>::load(sn + i);
-    vfloat a = vround<T>(x1 * c), b = vround<T>(x2 * s), d = vround<T>(x2 * c), e = vround<T>(x1 * s);
+    vfloat a = Store<T>::rounded(x1 * c), b = Store<T>::rounded(x2 * s);
+    vfloat d = Store<T>::rounded(x2 * c), e = Store<T>::rounded(x1 * s);
     Store<T>::vec(p + i, a - b);
     Store<T>::vec(p + half + i, d + e);
   }
@@ -170,7 +157,7 @@ void silu_and_mul_impl(torch::Tensor& out, const torch::Tensor& x) {
       const T* u = g + I;
       T* o = op + t * os;
       int64_t i = 0;
-      for (; i + VL <= I; i += VL) Store<T>::vec(o + i, vround<T>(vsilu(Cvt<T>::load(g + i))) * Cvt<T>::load(u + i));
+      for (; i + VL <= I; i += VL) Store<T>::vec(o + i, Store<T>::rounded(vsilu(Cvt<T>::load(g + i))) * Cvt<T>::load(u + i));
       for (; i < I; ++i) o[i] = T(Store<T>::round(silu1(one(g + i))) * one(u + i));
     }
   });
