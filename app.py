@@ -255,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from engine.model_loader import ModelLoadError
     from server import build_server, serve
     from ui.layout import build_app, launch, mount_kwargs
+    from ui.queue_polling import quiet_queue
 
     notice = apply_zerogpu(args)
     t0 = time.perf_counter()
@@ -279,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
+        quiet_queue(demo)  # after build_server's demo.queue(): Gradio's 1 ms polling off the engine's cores
     except zmq.ZMQError as exc:  # a KV event endpoint that cannot be bound (in use, bad address)
         print(f"error: --kv-events-config: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -290,6 +292,7 @@ def main_remote(args: argparse.Namespace) -> None:
     Exits with status 2 (one line) when more --kv-replay-url than --kv-events-url are given."""
     import asyncio
 
+    from ui.queue_polling import quiet_queue
     from ui.remote_client import RemoteClient, RemoteError
     from ui.remote_kv import KVMap, start_subscribers
     from ui.remote_metrics import MetricsScraper
@@ -315,8 +318,9 @@ def main_remote(args: argparse.Namespace) -> None:
           f"{len(urls)} server(s); KV events: {', '.join(kv_urls) or 'off'}; panels every {refresh:g} s", flush=True)
     demo = build_remote_app(client, scraper, kv_map, subscribers, refresh_s=refresh, notice=notice)
     if args.share:
-        demo.queue(max_size=args.queue_size).launch(share=True, server_name=args.host, server_port=args.port,
-                                                    **remote_mount_kwargs())
+        demo.queue(max_size=args.queue_size)
+        quiet_queue(demo)
+        demo.launch(share=True, server_name=args.host, server_port=args.port, **remote_mount_kwargs())
         return
     import gradio as gr
     import uvicorn
@@ -326,6 +330,7 @@ def main_remote(args: argparse.Namespace) -> None:
 
     app = FastAPI()
     demo.queue(max_size=args.queue_size)
+    quiet_queue(demo)
     gr.mount_gradio_app(app, demo, path="/", **remote_mount_kwargs())
     host, port = resolve_address(args.host, args.port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host

@@ -21,6 +21,7 @@ from ui.invariance import INVARIANCE_CSS
 from ui.live import LiveChannel, head_html
 from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, PLOT_HEIGHT, Panels
+from ui.queue_polling import quiet_queue
 
 CSS = f"""
 .cbp-note {{ font-size: 0.9em; }}
@@ -323,9 +324,12 @@ def mount_kwargs(demo: gr.Blocks | None = None) -> dict[str, Any]:
 
 def launch(demo: gr.Blocks, **kwargs: Any):
     """``demo.queue().launch(...)`` with the app's translations, style and live-channel routes (included
-    before the page blocks the thread); ``kwargs`` go to launch."""
+    before the page blocks the thread), its queue polling quietly (:func:`ui.queue_polling.quiet_queue`);
+    ``kwargs`` go to launch."""
     block = not kwargs.pop("prevent_thread_lock", False)
-    result = demo.queue().launch(**{**mount_kwargs(demo), **kwargs}, prevent_thread_lock=True)
+    demo.queue()
+    quiet_queue(demo)
+    result = demo.launch(**{**mount_kwargs(demo), **kwargs}, prevent_thread_lock=True)
     router = getattr(demo, "cbp_router", None)
     if router is not None:
         routes = demo.app.router.routes
