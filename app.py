@@ -280,10 +280,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
-        quiet_queue(demo)  # after build_server's demo.queue(): Gradio's 1 ms polling off the engine's cores
     except zmq.ZMQError as exc:  # a KV event endpoint that cannot be bound (in use, bad address)
         print(f"error: --kv-events-config: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    quiet_queue(demo)  # after build_server's demo.queue(): Gradio's 1 ms polling off the engine's cores
     serve(app, host=args.host, port=args.port, log_level="info" if args.log_level == "debug" else "warning")
 
 

@@ -12,10 +12,14 @@ import app
 from ui.queue_polling import PROGRESS_POLL_S, QUEUE_POLL_S, quiet_queue
 
 
-def _queued_demo() -> gr.Blocks:
+def _demo_unqueued() -> gr.Blocks:
     with gr.Blocks() as demo:
         gr.Textbox()
-    return demo.queue()
+    return demo
+
+
+def _queued_demo() -> gr.Blocks:
+    return _demo_unqueued().queue()
 
 
 def test_quiet_queue_sets_gradio_poll_intervals_and_never_shortens_them():
@@ -57,12 +61,6 @@ def test_app_serves_the_page_with_a_quiet_queue(monkeypatch):
     monkeypatch.setattr(server, "serve", lambda demo, **kw: served.setdefault("demo", demo))
     app.main(["--port", "0"])
     assert served["demo"]._queue.sleep_when_free == QUEUE_POLL_S
-
-
-def _demo_unqueued() -> gr.Blocks:
-    with gr.Blocks() as demo:
-        gr.Textbox()
-    return demo
 
 
 def test_launch_serves_the_page_with_a_quiet_queue():
