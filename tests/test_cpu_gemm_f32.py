@@ -22,7 +22,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @needs_gemm_f32
 @pytest.mark.parametrize("m,n,k", [(1, 16, 1), (2, 16, 64), (5, 48, 10), (6, 96, 64), (7, 32, 30), (13, 80, 96),
                                    (9, 160, 7), (200, 32, 24), (0, 16, 8), (7, 32, 600), (33, 16, 8),
-                                   (450, 400, 48), (64, 1552, 20)])
+                                   (450, 400, 48), (64, 1552, 20), (64, 576, 16)])
 def test_gemm_f32_equals_its_torch_reference_bit_for_bit(m, n, k):
     """One float32 accumulator per output in k order, one FMA each, bias last: equal to the reference bit
     for bit, with and without a bias, for row counts on and off the micro-tile (6 rows on AVX2, 8 on

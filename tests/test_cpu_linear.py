@@ -191,13 +191,15 @@ GEMM_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
 @needs_gemm
 @pytest.mark.parametrize("dp", GEMM_PATHS)
 @pytest.mark.parametrize("m,n,k", [(1, 16, 2), (2, 16, 64), (5, 48, 10), (6, 96, 64), (7, 32, 30), (13, 80, 96),
-                                   (200, 32, 24), (0, 16, 8), (16, 80, 64), (23, 48, 96), (400, 112, 24)])
+                                   (200, 32, 24), (0, 16, 8), (16, 80, 64), (23, 48, 96), (400, 112, 24),
+                                   (64, 576, 32), (40, 240, 16)])
 def test_gemm_bf16_equals_its_torch_reference_bit_for_bit(m, n, k, dp):
     """The own GEMM equals kernels.torch_ops.gemm_bf16 (one float32 accumulator per output in k order,
     bias last, one rounding; with dot_products each pair odd element first), with and without a bias,
     for row counts on and off the 8-row micro-tile (and, from 16 rows on the VDPBF16PS path, the 7 x 4
-    tile: 16 = 7 + 7 + 2 rows, 5 and 7 column blocks), 1-4 column blocks per thread and more than one
-    panel; also for a strided view of x."""
+    tile in tiles of near-equal height: 16 = 6 + 5 + 5 rows, 64 = 4 x 7 + 6 x 6), 1-4 column blocks per
+    thread, more than one panel, and columns cut into chunks of unequal size (36 blocks at 64 rows: 4 and
+    3; 15 at 40); also for a strided view of x."""
     from kernels.cpu_linear import pack_gemm_weight
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)

@@ -26,9 +26,10 @@ namespace cbp {
 // Zen 3 EPYC the dynamic walk cost 5-12% at one row, even with one unit per thread.
 constexpr int64_t kDynamicMinRows = 32;
 
-// Blocks per unit of the dynamic walk: about 8 units per thread over the call (so the last unit's imbalance
-// is small) and at most 8 groups of blocks (so a unit stays long against the counter's cost); a multiple of
-// max_blocks.
+// The target blocks per unit of the dynamic walk: about 8 units per thread over the call (so the last unit's
+// imbalance is small) and at most 8 groups of blocks (so a unit stays long against the counter's cost); a
+// multiple of max_blocks. parallel_groups then cuts a panel's columns into a multiple of the thread count of
+// near-equal chunks of about this size.
 inline int64_t unit_blocks(int64_t NB, int64_t panels, int64_t threads, int max_blocks) {
   const int64_t groups = (NB + max_blocks - 1) / max_blocks;
   const int64_t per = std::clamp<int64_t>(groups * panels / (8 * threads), 1, 8);
@@ -64,20 +65,31 @@ inline void parallel_groups(int64_t NB, int64_t M, int64_t panel_rows, int max_b
   const int64_t panels = (M + panel_rows - 1) / panel_rows;
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t cb = unit_blocks(NB, panels, threads, max_blocks);
-  const int64_t chunks = (NB + cb - 1) / cb, units = chunks * panels;
+  // A panel's chunks: a multiple of the thread count, of sizes that differ by one block at most (the larger
+  // ones first), so threads of the same speed end together. Chunks of exactly cb blocks left the last round
+  // to one thread where the groups did not divide among the threads (SmolLM2's o and down projections at 64
+  // rows: 36 blocks, 9 units of 4, 5 against 4): on a 2-vCPU Zen 4 EPYC the 30 layers' four linears at 64
+  // rows took 1.01-1.02x less time with weights cold from memory, 1.04x with them in cache
+  // (docs/performance.md, 2026-12-06).
+  const int64_t chunks = std::min<int64_t>(NB, threads * std::max<int64_t>(1, (NB + cb * threads / 2) / (cb * threads)));
+  const int64_t q = NB / chunks, r = NB % chunks;
+  auto begin = [&](int64_t i) { return i * q + std::min(i, r); };
+  const int64_t units = chunks * panels;
   const int64_t nt = std::min(threads, units);
   std::atomic<int64_t> counter{nt};  // each thread's first unit is its own index; later ones come from here
   at::parallel_for(0, nt, 1, [&](int64_t own, int64_t) {
     for (int64_t u = own; u < units; u = counter.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t m0 = (u / chunks) * panel_rows, rows = std::min(panel_rows, M - m0);
-      const int64_t first = (u % chunks) * cb, last = std::min(NB, first + cb);
+      const int64_t first = begin(u % chunks), last = begin(u % chunks + 1);
       // after this unit the thread most likely takes the unit nt further on (the others take the ones between)
-      const int64_t guess = u + nt < units ? ((u + nt) % chunks) * cb : NB;
+      const int64_t gu = (u + nt) % chunks;
+      const int64_t guess = u + nt < units ? begin(gu) : NB;
+      const int64_t guess_end = u + nt < units ? begin(gu + 1) : NB;
       for (int64_t b0 = first; b0 < last; b0 += max_blocks) {
         const int nr = static_cast<int>(std::min<int64_t>(max_blocks, last - b0));
         const bool inside = b0 + max_blocks < last;
         const int64_t nb0 = inside ? b0 + max_blocks : guess;
-        const int64_t nend = inside ? last : std::min(NB, guess + cb);
+        const int64_t nend = inside ? last : guess_end;
         const int nnext = static_cast<int>(std::min<int64_t>(max_blocks, nend - nb0));
         group(m0, rows, b0, nr, nb0, nnext);
       }
