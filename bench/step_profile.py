@@ -31,7 +31,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     the step wrapped: scheduling, packing the batch (``ModelRunner.prepare``), the model forward (split
     into attention and the rest), sampling, the scheduler's update (``Scheduler.update_from_output``),
     detokenizing (``OutputProcessor.on_token``, which the update calls: its time is taken out of the
-    update's), outputs and telemetry. With
+    update's), outputs and telemetry. Where the own forward runs its layers in one C++ call, that call's
+    own timers split its linears and its attention (cache writes included). With
     ``torch_profile`` one more step runs under ``torch.profiler`` and its top operators are returned as a
     printed table.
 
@@ -92,6 +93,14 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         (Linear, "__call__", "linear layers (own forward)"),
     ]
     originals = [(obj, name, wrap(obj, name, part)) for obj, name, part in targets]
+    # the own forward's layers in one C++ call (engine/models/llama.py) call no Python per kernel: the call
+    # times its linears and attention itself
+    own = core.runner.own_forward
+    one_call = own is not None and own.one_call_plan() is not None
+    if one_call:
+        import torch
+
+        own.timings = torch.zeros(3, dtype=torch.float64)
     clock = engine_forward_clock(core)
     _, f0 = clock.read()
     t = time.perf_counter()
@@ -99,6 +108,11 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         core.step()
     total = time.perf_counter() - t
     _, f1 = clock.read()
+    if one_call:
+        lin_s, attn_s, _rest = own.timings.tolist()
+        own.timings = None
+        acc["linear layers (own forward)"] = acc.get("linear layers (own forward)", 0.0) + lin_s  # + the LM head's calls
+        acc["attention (paged_attention)"] = acc.get("attention (paged_attention)", 0.0) + attn_s  # cache writes included
     for obj, name, fn in originals:
         if obj is kernels or isinstance(obj, type):
             setattr(obj, name, fn)  # a module function or a class's method: put the original back

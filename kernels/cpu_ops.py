@@ -34,7 +34,7 @@ from kernels import torch_ops
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp",
-            _CSRC / "gemm_bf16_cpu.cpp", _CSRC / "gemm_f32_cpu.cpp"]
+            _CSRC / "gemm_bf16_cpu.cpp", _CSRC / "gemm_f32_cpu.cpp", _CSRC / "decoder_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -388,3 +388,44 @@ def logits_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.empty(logits.shape[0], dtype=torch.bool)
     load().logits_argmax(index, finite, logits)
     return index, finite
+
+
+def decoder_layers_available() -> bool:
+    """Whether the extension loads and has ``decoder_layers`` (every build of this source has it)."""
+    return available() and hasattr(load(), "decoder_layers")
+
+
+def decoder_layers(h: torch.Tensor, positions: torch.Tensor, weights: list[torch.Tensor], kv_caches: list[torch.Tensor],
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int, scale: float, eps: list[float], dot_products: bool,
+                   timings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer of a Llama-family forward in one C++ call (``kernels/csrc/decoder_cpu.cpp``): the
+    same kernels in the same order as :class:`engine.models.llama.LlamaLayer` calls them, so bit-identical to
+    that loop, without the Python between them.
+
+    Args:
+        h: ``[T, hidden]`` contiguous bfloat16 or float32, the embedded tokens; used as the first layer's
+            residual and updated in place.
+        positions: ``[T]`` int64, contiguous.
+        weights: 10 per layer: input norm, QKV (packed for the own GEMM), its float32 bias or an empty
+            tensor, O and bias, post-attention norm, gate/up and bias, down and bias.
+        kv_caches: key and value cache of each layer, ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        block_tables, seq_lens, query_start_loc, slot_mapping: the step's attention metadata (int32, int32,
+            int32, int64).
+        cos, sin: ``[max_positions, head_dim // 2]`` RoPE tables in ``h``'s dtype.
+        eps: 2 per layer (input and post-attention norm).
+        dot_products: the bfloat16 GEMM's VDPBF16PS path (as :class:`kernels.cpu_linear.Linear`'s ``gemm_dp``).
+        timings: float64 ``[3]`` or None: seconds in the linears, the attention (with its cache write) and
+            the rest are added to it.
+
+    Returns:
+        ``(h, residual)``, each ``[T, hidden]``: the last layer's output and the residual stream.
+
+    Raises:
+        RuntimeError: on shapes, dtypes or layouts the kernels do not take (the message names the check).
+    """
+    return load().decoder_layers(h, positions, weights, kv_caches, block_tables, seq_lens, query_start_loc,
+                                 slot_mapping, cos, sin, int(num_heads), int(num_kv_heads), int(head_dim), float(scale),
+                                 [float(e) for e in eps], bool(dot_products),
+                                 torch.Tensor() if timings is None else timings)

@@ -15,15 +15,23 @@ pass each (``kernels``: C++ on CPU, torch elsewhere) and round to the storage dt
 modules round, so a bfloat16 step reproduces theirs up to summation order. Linears are
 :class:`kernels.cpu_linear.Linear` (oneDNN-prepacked bfloat16 on CPUs with native bfloat16).
 
+Where every linear runs on one of the engine's own GEMMs and the C++ kernels serve the step (CPUs with
+AVX-512, or float32 on AVX2), all layers run in one C++ call (:func:`kernels.cpu_ops.decoder_layers`): the
+same kernels in the same order, bit-identical, without Python between them. ``CBP_CPU_FUSED_LAYERS=0``
+keeps the Python loop.
+
 The structure follows the Llama papers (Touvron et al., 2023) and transformers' ``LlamaModel``; merged
 projections and fused residual norms are what vLLM and nano-vllm do.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import kernels
+from kernels import cpu_ops
 from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -152,6 +160,66 @@ class LlamaForward:
         head = model.get_output_embeddings()
         self.lm_head = Linear(head.weight, getattr(head, "bias", None), tile)
         self.rope = self._rope_table(inner.rotary_emb, cfg, self.layers[0].head_dim)
+        self._plan: tuple | bool | None = None  # the one-call layers' fixed arguments; False: not possible here
+        self.timings: torch.Tensor | None = None  # float64 [3]: the one-call path adds seconds to it (profile)
+
+    def one_call_plan(self) -> tuple | None:
+        """``(weights, eps, dot_products)`` for :func:`kernels.cpu_ops.decoder_layers`, or None when the layers
+        cannot run in one C++ call here: ``CBP_CPU_FUSED_LAYERS=0``, not a CPU model in bfloat16 or float32,
+        the C++ kernels not serving CPU tensors, a linear not on an own GEMM of the model's dtype, or a head
+        size the C++ attention does not take. Decided once (the first call)."""
+        if self._plan is None:
+            self._plan = self._make_plan() or False
+        return self._plan if isinstance(self._plan, tuple) else None
+
+    def _make_plan(self) -> tuple | None:
+        dt = self.embed.dtype
+        if os.environ.get("CBP_CPU_FUSED_LAYERS", "1") == "0" or self.embed.device.type != "cpu" or \
+                dt not in (torch.bfloat16, torch.float32):
+            return None
+        if kernels.backend_for(self.embed) != "cpp" or not cpu_ops.decoder_layers_available():
+            return None
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(lin.gemm is None or lin.gemm.dtype != dt for lin in lins) or len({lin.gemm_dp for lin in lins}) != 1:
+            return None
+        first = self.layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
+        if first.head_dim % 16 or first.head_dim > 512 or any(
+                (la.num_heads, la.num_kv_heads, la.head_dim, la.scaling) != shape for la in self.layers):
+            return None
+        norms = [w for la in self.layers for w in (la.input_norm, la.post_norm)]
+        if any(w.dtype != dt or not w.is_contiguous() for w in norms):
+            return None
+        empty = torch.empty(0, dtype=torch.float32)
+        weights = []
+        for la in self.layers:
+            weights.append(la.input_norm)
+            for lin in (la.qkv, la.o):
+                weights += [lin.gemm, empty if lin.bias32 is None else lin.bias32]
+            weights.append(la.post_norm)
+            for lin in (la.gate_up, la.down):
+                weights += [lin.gemm, empty if lin.bias32 is None else lin.bias32]
+        eps = [la.eps for la in self.layers for _ in range(2)]  # both norms of a layer use its input norm's eps
+        return weights, eps, lins[0].gemm_dp
+
+    def _layers_in_one_call(self, h: torch.Tensor, positions: torch.Tensor, meta):
+        """``(h, residual)`` from :func:`kernels.cpu_ops.decoder_layers`, or None when this step takes the
+        Python loop (see :meth:`one_call_plan`; also when the attention backend is forced to another one, or
+        the caches or positions are not as the C++ kernels take them)."""
+        plan = self.one_call_plan()
+        if plan is None or kernels.backend_for(h) != "cpp":
+            return None
+        key_cache = meta.kv_caches[0][0]
+        if key_cache.dtype != h.dtype or not key_cache.is_contiguous() or positions.dtype != torch.int64 or \
+                not positions.is_contiguous():
+            return None
+        weights, eps, dp = plan
+        first = self.layers[0]
+        caches = [c for pair in meta.kv_caches for c in pair]
+        return cpu_ops.decoder_layers(h, positions, weights, caches, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, meta.slot_mapping, self.rope[0], self.rope[1],
+                                      first.num_heads, first.num_kv_heads, first.head_dim, first.scaling, eps, dp,
+                                      self.timings)
 
     def _rope_table(self, rotary_emb, cfg, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[max_position_embeddings, head_dim // 2]`` in the model's dtype, computed by
@@ -199,9 +267,13 @@ class LlamaForward:
             ``[S, vocab_size]`` logits in the model's dtype (``[0, vocab_size]`` when ``S`` is 0).
         """
         h = self.embed.index_select(0, input_ids)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer.forward(h, residual, positions, self.rope, meta)
+        out = self._layers_in_one_call(h, positions, meta)
+        if out is not None:
+            h, residual = out
+        else:
+            residual = None
+            for layer in self.layers:
+                h, residual = layer.forward(h, residual, positions, self.rope, meta)
         assert residual is not None  # set by the first layer (a model has at least one)
         h = h.index_select(0, logits_rows)
         residual = residual.index_select(0, logits_rows)

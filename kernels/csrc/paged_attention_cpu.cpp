@@ -1016,6 +1016,7 @@ void register_fused_ops(pybind11::module& m);   // fused_ops_cpu.cpp
 void register_logits_ops(pybind11::module& m);  // logits_cpu.cpp
 void register_gemm_ops(pybind11::module& m);    // gemm_bf16_cpu.cpp
 void register_gemm_f32_ops(pybind11::module& m);  // gemm_f32_cpu.cpp
+void register_decoder_ops(pybind11::module& m);  // decoder_cpu.cpp
 
 }  // namespace cbp
 
@@ -1024,6 +1025,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cbp::register_logits_ops(m);
   cbp::register_gemm_ops(m);
   cbp::register_gemm_f32_ops(m);
+  cbp::register_decoder_ops(m);
   m.def("paged_attention", &cbp::paged_attention, "fused paged attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &cbp::reshape_and_cache, "write K/V into the paged cache (CPU)",
