@@ -372,3 +372,24 @@ def test_logits_argmax_matches_torch(ext, dtype, rows, vocab):
 def test_logits_argmax_no_rows(ext):
     index, finite = kernels.logits_argmax(torch.empty(0, 10))
     assert index.shape == (0,) and finite.shape == (0,)
+
+
+def test_metadata_outside_the_cache_is_refused_not_a_crash(ext):
+    """A block id outside the cache, query_start_loc past the query's rows, or a value cache of another
+    shape than the key cache raise a RuntimeError (read or written outside the tensors before: a crash)."""
+    kc = torch.zeros(4, 2, 16, 16)
+    vc = torch.zeros_like(kc)
+    q = torch.randn(3, 4, 16)
+    out = torch.empty_like(q)
+    bt = torch.tensor([[1]], dtype=torch.int32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    ext.paged_attention(out, q, kc, vc, bt, lens, qsl, 0.25)  # valid: runs
+    with pytest.raises(RuntimeError, match="block table entry"):
+        ext.paged_attention(out, q, kc, vc, torch.tensor([[10**6]], dtype=torch.int32), lens, qsl, 0.25)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        ext.paged_attention(out, q, kc, vc, bt, torch.tensor([5], dtype=torch.int32),
+                            torch.tensor([2, 5], dtype=torch.int32), 0.25)
+    k = torch.randn(3, 2, 16)
+    with pytest.raises(RuntimeError, match="same shape"):
+        ext.reshape_and_cache(k, k.clone(), kc, vc[:2], torch.tensor([0, 1, 2]))

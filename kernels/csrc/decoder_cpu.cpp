@@ -81,6 +81,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
   const bool f32 = h.scalar_type() == at::kFloat;
   const int64_t T = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(weights[6].dim() >= 1, "decoder_layers: the gate/up weight must be packed for an own GEMM");
   const int64_t inter2 = weights[6].size(0) * 16;  // gate and up outputs: N of the packed gate/up weight
   Clock clock;
   if (timings.defined() && timings.numel() > 0) {

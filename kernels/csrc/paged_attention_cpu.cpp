@@ -883,6 +883,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   at::Tensor bt = as_int32(block_tables), sl = as_int32(seq_lens).contiguous(), qsl = as_int32(query_start_loc).contiguous();
   const int num_seqs = (int)sl.size(0);
   TORCH_CHECK(qsl.size(0) == num_seqs + 1 && bt.size(0) >= num_seqs, "metadata sizes");
+  TORCH_CHECK(out.size(0) == query.size(0) && out.size(1) == H && out.size(2) == D, "out must have the query's shape");
 
   Args a;
   a.q = query.data_ptr();
@@ -917,12 +918,18 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
   std::vector<Work> works;
   works.reserve(num_seqs * KVH);
+  const int64_t num_blocks = key_cache.size(0);
   for (int b = 0; b < num_seqs; ++b) {
     const int qlen = a.qsl[b + 1] - a.qsl[b];
     const int ctx = a.seq_lens[b];
     if (qlen <= 0) continue;
     TORCH_CHECK(qlen <= ctx, "query longer than its context");
+    TORCH_CHECK(a.qsl[b] >= 0 && a.qsl[b + 1] <= query.size(0), "query_start_loc beyond the query's rows");
     TORCH_CHECK((ctx + BS - 1) / BS <= bt.size(1), "block table too narrow for seq_len");
+    // a block id outside the cache would read (and, for the cache write, write) outside it: refused, not a crash
+    const int32_t* row = a.bt + (int64_t)b * a.bt_st;
+    for (int i = 0; i < (ctx + BS - 1) / BS; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block table entry ", row[i], " outside the cache's ", num_blocks, " blocks");
     // equal tiles of at most tq_max positions
     const int ntiles = (qlen + tq_max - 1) / tq_max;
     const int tq = (qlen + ntiles - 1) / ntiles;
@@ -969,6 +976,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
   TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) && value_cache.strides() == key_cache.strides(),
               "cache rows must be contiguous");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches must have the same shape");
+  TORCH_CHECK(value.size(0) == key.size(0) && value.size(1) == key.size(1) && value.size(2) == key.size(2),
+              "key and value must have the same shape");
   const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
   const int64_t BS = key_cache.size(2), NB = key_cache.size(0);
   TORCH_CHECK(key_cache.size(1) == KVH && key_cache.size(3) == D, "shape mismatch");
