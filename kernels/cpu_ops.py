@@ -202,15 +202,21 @@ def isa() -> str:
     return load().isa()
 
 
-def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def attention_takes(dtype: torch.dtype, head_dim: int, key_cache: torch.Tensor) -> bool:
+    """Whether the C++ paged attention takes queries of ``dtype`` with ``head_dim`` (elements) over
+    ``key_cache`` (else :func:`paged_attention` takes the torch path): one dtype for both, float32, bfloat16
+    or float16, head_dim a multiple of 16 up to 512, a contiguous cache."""
     return (
-        query.dtype == key_cache.dtype
-        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and query.shape[-1] % 16 == 0
-        and query.shape[-1] <= 512
-        and query.stride(-1) == 1
+        dtype == key_cache.dtype
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and head_dim % 16 == 0
+        and head_dim <= 512
         and key_cache.is_contiguous()
     )
+
+
+def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return query.stride(-1) == 1 and attention_takes(query.dtype, query.shape[-1], key_cache)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -414,7 +420,8 @@ def decoder_layers(h: torch.Tensor, positions: torch.Tensor, weights: list[torch
         block_tables, seq_lens, query_start_loc, slot_mapping: the step's attention metadata (int32, int32,
             int32, int64).
         cos, sin: ``[max_positions, head_dim // 2]`` RoPE tables in ``h``'s dtype.
-        eps: 2 per layer (input and post-attention norm).
+        eps: each layer's norm epsilon (its input and post-attention norms use the same, as
+            :class:`engine.models.llama.LlamaLayer` does).
         dot_products: the bfloat16 GEMM's VDPBF16PS path (as :class:`kernels.cpu_linear.Linear`'s ``gemm_dp``).
         timings: float64 ``[3]`` or None: seconds in the linears, the attention (with its cache write) and
             the rest are added to it.

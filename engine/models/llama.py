@@ -166,8 +166,9 @@ class LlamaForward:
     def one_call_plan(self) -> tuple | None:
         """``(weights, eps, dot_products)`` for :func:`kernels.cpu_ops.decoder_layers`, or None when the layers
         cannot run in one C++ call here: ``CBP_CPU_FUSED_LAYERS=0``, not a CPU model in bfloat16 or float32,
-        the C++ kernels not serving CPU tensors, a linear not on an own GEMM of the model's dtype, or a head
-        size the C++ attention does not take. Decided once (the first call)."""
+        the C++ kernels not serving CPU tensors, a linear not on an own GEMM of the model's dtype, or layers of
+        different head shapes. Decided once (the first call); each step also checks that the C++ attention
+        takes its head size and caches (:func:`kernels.cpu_ops.attention_takes`)."""
         if self._plan is None:
             self._plan = self._make_plan() or False
         return self._plan if isinstance(self._plan, tuple) else None
@@ -184,22 +185,20 @@ class LlamaForward:
             return None
         first = self.layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
-        if first.head_dim % 16 or first.head_dim > 512 or any(
-                (la.num_heads, la.num_kv_heads, la.head_dim, la.scaling) != shape for la in self.layers):
+        if any((la.num_heads, la.num_kv_heads, la.head_dim, la.scaling) != shape for la in self.layers):
             return None
         norms = [w for la in self.layers for w in (la.input_norm, la.post_norm)]
         if any(w.dtype != dt or not w.is_contiguous() for w in norms):
             return None
         empty = torch.empty(0, dtype=torch.float32)
-        weights = []
-        for la in self.layers:
-            weights.append(la.input_norm)
-            for lin in (la.qkv, la.o):
-                weights += [lin.gemm, empty if lin.bias32 is None else lin.bias32]
-            weights.append(la.post_norm)
-            for lin in (la.gate_up, la.down):
-                weights += [lin.gemm, empty if lin.bias32 is None else lin.bias32]
-        eps = [la.eps for la in self.layers for _ in range(2)]  # both norms of a layer use its input norm's eps
+
+        def packed(lin: Linear) -> list[torch.Tensor]:
+            assert lin.gemm is not None  # every linear is on an own GEMM (checked above)
+            return [lin.gemm, empty if lin.bias32 is None else lin.bias32]
+
+        weights = [w for la in self.layers for w in (la.input_norm, *packed(la.qkv), *packed(la.o), la.post_norm,
+                                                     *packed(la.gate_up), *packed(la.down))]
+        eps = [la.eps for la in self.layers]
         return weights, eps, lins[0].gemm_dp
 
     def _layers_in_one_call(self, h: torch.Tensor, positions: torch.Tensor, meta):
@@ -209,12 +208,11 @@ class LlamaForward:
         plan = self.one_call_plan()
         if plan is None or kernels.backend_for(h) != "cpp":
             return None
-        key_cache = meta.kv_caches[0][0]
-        if key_cache.dtype != h.dtype or not key_cache.is_contiguous() or positions.dtype != torch.int64 or \
-                not positions.is_contiguous():
+        first = self.layers[0]
+        if not cpu_ops.attention_takes(h.dtype, first.head_dim, meta.kv_caches[0][0]) or \
+                positions.dtype != torch.int64 or not positions.is_contiguous():
             return None
         weights, eps, dp = plan
-        first = self.layers[0]
         caches = [c for pair in meta.kv_caches for c in pair]
         return cpu_ops.decoder_layers(h, positions, weights, caches, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, meta.slot_mapping, self.rope[0], self.rope[1],

@@ -19,7 +19,7 @@
 //              post_norm [hidden], gate_up, gate_up bias, down, down bias; the packed weights as the own GEMMs
 //              take them (bfloat16 [N/16, K/2, 16, 2] for gemm_bf16, float32 [N/16, K, 16] for gemm_f32)
 //   kv_caches  2 per layer: key_cache, value_cache [num_blocks, num_kv_heads, block_size, head_dim]
-//   eps        2 per layer: the input and post-attention norms' epsilons
+//   eps        1 per layer: its norms' epsilon (the input and post-attention norms use the same)
 //   timings    float64 [3] or empty: when given, seconds spent in the linears, the attention (cache write
 //              included) and the rest are added to it (python -m bench --profile)
 //
@@ -74,8 +74,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
   const int64_t L = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer,
               "decoder_layers: weights must hold ", kWeightsPerLayer, " tensors per layer");
-  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L,
-              "decoder_layers: kv_caches and eps must hold 2 entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * L && static_cast<int64_t>(eps.size()) == L,
+              "decoder_layers: kv_caches must hold 2 entries per layer, eps 1");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.device().is_cpu(), "decoder_layers: h must be a contiguous CPU [T, hidden]");
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat, "decoder_layers: bfloat16 or float32 only");
   const bool f32 = h.scalar_type() == at::kFloat;
@@ -117,7 +117,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
     if (l == 0) {
       rms_norm(x, h, w[0], eps[0]);
     } else {
-      fused_add_rms_norm(x, residual, w[0], eps[2 * l]);  // x holds the previous layer's output
+      fused_add_rms_norm(x, residual, w[0], eps[l]);  // x holds the previous layer's output
     }
     clock.lap(2);
     gemm(qkv, x, l, 1);
@@ -129,7 +129,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
     clock.lap(1);
     gemm(o, attn2, l, 3);
     clock.lap(0);
-    fused_add_rms_norm(o, residual, w[5], eps[2 * l + 1]);
+    fused_add_rms_norm(o, residual, w[5], eps[l]);
     clock.lap(2);
     gemm(gate_up, o, l, 6);
     clock.lap(0);
