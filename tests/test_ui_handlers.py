@@ -467,3 +467,31 @@ def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokeniz
     assert any(t.startswith("⏳ Queued: 1 of ") and "engine paused" in t for t in titles["a"]), titles["a"]
     assert any(t.startswith("⏳ Queued: 2 of 2") for t in titles["b"]), titles["b"]
     assert titles["a"][-1].startswith("✓") and titles["b"][-1].startswith("✓")
+
+
+def test_a_cancelled_reply_ends_at_once_even_as_an_output_arrives():
+    """Cancelling the task that streams a reply (gradio_client's ``job.cancel()``, Gradio's ``cancels=``) ends
+    it with CancelledError and closes the engine stream, whatever the loop was doing: here outputs arrive on
+    every loop turn, so some cancels land while an output is being handed over (``asyncio.wait_for`` on
+    Python 3.11 returned that output and dropped the cancel; the reply then streamed to its end)."""
+
+    async def run(turns: int) -> tuple[bool, bool]:
+        eng = StubEngine(reply=" ".join(["w"] * 2000))
+        replies = ChatHandlers(eng, poll_s=0.25).respond("hi", [], 0.0, 1.0, 16, -1, req())
+
+        async def consume():
+            async for _ in replies:
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(consume())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait([task], timeout=5)  # Gradio's /cancel awaits the cancelled task, then closes the handler
+        cancelled = task.cancelled()
+        await replies.aclose()
+        return cancelled, len(eng.closed) == len(eng.calls)  # a stream that began was closed
+
+    results = [asyncio.run(run(turns)) for turns in range(3, 63)]
+    assert all(cancelled for cancelled, _ in results), f"{sum(not c for c, _ in results)} of 60 cancels were dropped"
+    assert all(closed for _, closed in results)

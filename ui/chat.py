@@ -262,8 +262,9 @@ class ChatHandlers:
                 params = sampling_params(temperature, top_p, max_new_tokens, seed)
             except (TypeError, ValueError) as exc:
                 raise gr.Error(str(exc)) from exc
-            async for item in self._stream(history, message, messages, params, request_id, lang):
-                yield item
+            async with contextlib.aclosing(self._stream(history, message, messages, params, request_id, lang)) as items:
+                async for item in items:  # closed here, not when collected: its engine stream ends with this one
+                    yield item
         finally:
             self.active.discard(session, request_id)
             self._stopping.discard(request_id)
@@ -293,8 +294,10 @@ class ChatHandlers:
         pump = asyncio.get_running_loop().create_task(self._pump(messages, params, request_id, queue))
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(queue.get(), timeout=self.poll_s)
+                try:  # not asyncio.wait_for: on Python 3.11 it returns an output that arrives together with a
+                    # cancel and drops the cancel, so a cancelled reply (gradio_client's job.cancel()) ran on
+                    async with asyncio.timeout(self.poll_s):
+                        out = await queue.get()
                 except TimeoutError:
                     out = None
                 if request_id in self._cleared:  # the tab was cleared: nothing more to show
