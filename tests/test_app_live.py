@@ -185,8 +185,15 @@ def test_browser_two_contexts_chat_at_once_and_panels_render(request):
             for page in pages:  # send both at once
                 page.locator("#msg textarea").press("Enter")
             seen: list[list[tuple[float, int]]] = [[], []]
+            tel = live_app.engine.telemetry
+            both = 0  # the most chat requests seen holding blocks at once while the replies stream
+
+            def chats_holding_blocks(snap) -> int:
+                return len({r for r in snap.block_tables if r.startswith("chat-")}) if snap else 0
+
             end = time.monotonic() + 180
             while time.monotonic() < end:
+                both = max(both, chats_holding_blocks(tel.latest()))
                 for i, page in enumerate(pages):
                     n = _bot_text_len(page)
                     if n and (not seen[i] or seen[i][-1][1] != n):
@@ -196,9 +203,10 @@ def test_browser_two_contexts_chat_at_once_and_panels_render(request):
                 time.sleep(0.1)
             assert all(len(s) >= 4 for s in seen), f"replies did not stream: {seen}"  # grew at least 4 times
             assert max(s[0][0] for s in seen) < min(s[-1][0] for s in seen), "the two replies did not overlap"
-            tel = live_app.engine.telemetry
-            streaming = {r for r in tel.latest().block_tables if r.startswith("chat-")}
-            assert len(streaming) == 2, streaming  # both replies hold blocks while they stream
+            # both replies held blocks at once (sampled while they streamed, and the engine's recent steps: on a
+            # busy machine one reply may have ended by now, at EOS or its token limit)
+            both = max([both, *(chats_holding_blocks(s) for s in tel.snapshots())])
+            assert both == 2, f"{both} chat request(s) held blocks at once, not 2"
             for page in pages:
                 for panel in ("#occupancy", "#blockmap"):
                     page.wait_for_selector(f"{panel} .js-plotly-plot .heatmaplayer image", state="attached")
