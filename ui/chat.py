@@ -294,8 +294,8 @@ class ChatHandlers:
         pump = asyncio.get_running_loop().create_task(self._pump(messages, params, request_id, queue))
         try:
             while True:
-                try:  # not asyncio.wait_for: on Python 3.11 it returns an output that arrives together with a
-                    # cancel and drops the cancel, so a cancelled reply (gradio_client's job.cancel()) ran on
+                try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns an output that arrives in
+                    # the same loop turn as a cancel and drops the cancel (the cancelled reply then ran to its end)
                     async with asyncio.timeout(self.poll_s):
                         out = await queue.get()
                 except TimeoutError:
