@@ -29,12 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=0, help="add N built-in chat prompts with mixed max_tokens (16..256)")
     p.add_argument("--workload", help="a W64-style JSON file (requests with prompt_token_ids and max_tokens)")
     add_engine_options(p, env=os.environ)  # CBP_* variables, as the app reads them
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens to generate per prompt given on the command line (the built-in prompts of "
+                        "--num-prompts and --workload requests keep their own)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                           "whose probability reaches this (1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past the end-of-sequence token")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     return p
 

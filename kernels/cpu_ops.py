@@ -11,7 +11,9 @@ Build: compiled with ``-O3 -march=native -fopenmp`` by the system C++ compiler (
 ninja, into the torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) or ``$CBP_KERNEL_BUILD_DIR``. The extension name carries a tag of this
 CPU's vector features, so a cache directory shared by different CPUs never loads a binary built for
-another one. The first build takes about a minute; later processes load it in well under a second.
+another one, and a tag of the sources, the flags and the checkout's path, so two checkouts (or two
+versions) on one machine keep one build each instead of rebuilding each other's at every start. The
+first build takes about a minute; later processes load it in well under a second.
 
 :func:`load` returns the module or raises :class:`BuildError`; :func:`available` says whether it loads
 (and remembers the reason when it does not). ``kernels/__init__.py`` falls back to the torch path then.
@@ -63,6 +65,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1(" ".join(words).encode()).hexdigest()[:8]
 
 
+def _source_tag() -> str:
+    """A short hash of the extension's sources, the compiler flags and the sources' folder: a build
+    folder per version and per checkout (torch keeps one folder per extension name, and a folder built
+    from other sources or another checkout's absolute paths is rebuilt from scratch)."""
+    h = hashlib.sha1()
+    for src in sorted(_CSRC.iterdir()):
+        if src.suffix in (".cpp", ".h"):
+            h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode() + b"\0" + str(_CSRC.resolve()).encode())
+    return h.hexdigest()[:8]
+
+
 def _ensure_ninja() -> None:
     """torch's loader runs ``ninja``: make the pip-installed one (requirements.txt) visible on PATH."""
     if shutil.which("ninja"):
@@ -105,25 +119,35 @@ def _is_built(name: str, build_dir: str | None) -> bool:
 
 
 STALE_LOCK_S = 300.0  # a build takes 1-2 minutes: a lock file older than this was left by a killed build
+LOCK_POLL_S = 1.0
 
 
 def _clear_stale_lock(folder: str | None) -> None:
-    """torch's loader waits, forever, while a ``lock`` file lies in the build folder; a build killed
-    half-way (Ctrl-C on the first start) leaves one behind. Remove it once it is older than
-    :data:`STALE_LOCK_S`; a younger one belongs to a build in progress, which is waited for."""
+    """torch's loader waits, forever and silently, while a ``lock`` file lies in the build folder; a build
+    killed half-way (Ctrl-C or a timeout on the first start) leaves one behind. Wait here instead, with a
+    warning that says so, until the lock goes (the other process's build ended: torch then loads it) or is
+    older than :data:`STALE_LOCK_S` (left by a killed build: removed). A wait is therefore bounded by
+    :data:`STALE_LOCK_S` from the lock's creation."""
     if not folder:
         return
     lock = os.path.join(folder, "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        _log.warning("CPU attention: removing %s left by an interrupted build %.0f s ago", lock, age)
-        with contextlib.suppress(OSError):
-            os.remove(lock)
-    else:
-        _log.info("CPU attention: waiting for another process's build of the kernel (lock file %s)", lock)
+    warned = False
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # no lock, or it went away
+        if age > STALE_LOCK_S:
+            _log.warning("CPU attention: removing %s left by an interrupted build %.0f s ago", lock, age)
+            with contextlib.suppress(OSError):
+                os.remove(lock)
+            return
+        if not warned:
+            _log.warning("CPU attention: waiting for another process's build of the kernel (lock file %s, "
+                         "%.0f s old; a lock older than %.0f s is taken as left by a killed build and removed)",
+                         lock, age, STALE_LOCK_S)
+            warned = True
+        time.sleep(LOCK_POLL_S)
 
 
 def _build():
@@ -135,7 +159,7 @@ def _build():
         raise BuildError("ninja not found (pip install ninja)")
     from torch.utils import cpp_extension
 
-    name = f"cbp_cpu_attention_{_cpu_tag()}"
+    name = f"cbp_cpu_attention_{_cpu_tag()}_{_source_tag()}"
     build_dir = build_directory()
     if build_dir is not None:
         build_dir = os.path.join(build_dir, name)

@@ -398,6 +398,9 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         if first.get("type") == "json_invalid":
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return APIError(400, msg, code="invalid_json").response()
+        if first.get("type") == "string_unicode":  # e.g. a field name with a lone surrogate escape ("\ud800")
+            return APIError(400, "the request body holds a string that is not valid Unicode (a lone surrogate "
+                                 "escape such as \\ud800)", param=".".join(loc) or None).response()
         if not loc:  # also a JSON body sent without Content-Type: application/json (read as text)
             return APIError(400, "the request body must be a JSON object, sent with Content-Type: "
                                  "application/json").response()

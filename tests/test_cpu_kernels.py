@@ -393,3 +393,53 @@ def test_metadata_outside_the_cache_is_refused_not_a_crash(ext):
     k = torch.randn(3, 2, 16)
     with pytest.raises(RuntimeError, match="same shape"):
         ext.reshape_and_cache(k, k.clone(), kc, vc[:2], torch.tensor([0, 1, 2]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the build folder: one per version and checkout; a lock left by a killed build
+# ------------------------------------------------------------------------------------------------
+def test_build_name_has_a_tag_of_the_sources_and_the_checkout(tmp_path, monkeypatch):
+    """Two checkouts, or two versions of the sources, build into folders of their own (torch rebuilds a
+    folder whose sources or absolute paths changed, so sharing one made them rebuild each other)."""
+    tag = cpu_ops._source_tag()
+    assert len(tag) == 8 and tag == cpu_ops._source_tag()
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_ops._CSRC, copy)
+    monkeypatch.setattr(cpu_ops, "_CSRC", copy)
+    other_checkout = cpu_ops._source_tag()
+    assert other_checkout != tag
+    (copy / "decoder_cpu.cpp").write_text((copy / "decoder_cpu.cpp").read_text() + "\n// changed\n")
+    assert cpu_ops._source_tag() not in (tag, other_checkout)
+
+
+def test_a_lock_left_by_a_killed_build_is_waited_for_with_a_warning_then_removed(tmp_path, monkeypatch, caplog):
+    """A young lock file may belong to a build in progress: the loader waits, saying so at WARNING (torch
+    itself would wait forever without a word), and removes it once it is older than STALE_LOCK_S."""
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    monkeypatch.setattr(cpu_ops, "STALE_LOCK_S", 0.6)
+    monkeypatch.setattr(cpu_ops, "LOCK_POLL_S", 0.05)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        cpu_ops._clear_stale_lock(str(tmp_path))
+    assert not lock.exists() and 0.4 < time.monotonic() - t0 < 10
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("waiting for another process's build" in m for m in messages), messages
+    assert any("removing" in m and "interrupted build" in m for m in messages), messages
+
+
+def test_a_lock_that_its_build_removes_ends_the_wait(tmp_path, monkeypatch, caplog):
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    monkeypatch.setattr(cpu_ops, "LOCK_POLL_S", 0.05)
+    threading.Timer(0.3, lock.unlink).start()  # the other process's build ends
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        cpu_ops._clear_stale_lock(str(tmp_path))
+    assert 0.2 < time.monotonic() - t0 < 10
+    assert not any("removing" in r.getMessage() for r in caplog.records)

@@ -261,7 +261,7 @@ class ChatHandlers:
             try:
                 params = sampling_params(temperature, top_p, max_new_tokens, seed)
             except (TypeError, ValueError) as exc:
-                raise gr.Error(str(exc)) from exc
+                raise gr.Error(str(exc), print_exception=False) from exc  # a refused value: no traceback in the log
             async with contextlib.aclosing(self._stream(history, message, messages, params, request_id, lang)) as items:
                 async for item in items:  # closed here, not when collected: its engine stream ends with this one
                     yield item
