@@ -8,10 +8,52 @@ The public API, as in vLLM::
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=32))[0]
 
 :class:`AsyncEngine` streams outputs to asyncio callers (servers); :class:`EngineConfig` holds the
-engine settings. How the pieces fit: ``docs/architecture.md``.
+engine settings; :meth:`EngineCore.run_to_end` steps a core of one's own on the calling thread (the
+offline demos). How the pieces fit: ``docs/architecture.md``.
+
+Everything the front ends (``ui/``, ``server/``) use of the engine is exported here, and they import
+nothing else of it (``tests/test_layout.py`` holds them to that). By group:
+
+- running requests: ``LLM``, ``AsyncEngine``, ``EngineCore``, ``EngineConfig``, ``EngineStats``,
+  ``EngineOverloadedError``;
+- requests and their outputs: ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``RequestState``,
+  ``ChatPrompt``, ``TextPrompt``, ``MAX_LOGPROBS``, ``MAX_N``; typed errors ``RequestError`` and the name of
+  the prompt parameter ``PROMPT``;
+- what the engine shows of itself: ``Telemetry``, ``StepSnapshot``, the batch-slot phases ``PHASE_IDLE``,
+  ``PHASE_PREFILL``, ``PHASE_DECODE``; the run-until conditions ``NextHandover``, ``NextBlockReuse``;
+- KV cache events on the wire (vLLM's format): ``KVFeed``, ``to_vllm_events``, ``WireBatch``,
+  ``encode_batch``, ``decode_batch``, ``ENCODINGS``;
+- the option declarations ``Option``, ``add_options`` and the prompt bank's ``synthetic_chat``.
+
+Names are imported on first use, so the light ones (options, prompts, the KV wire format) load without
+torch: remote mode runs no model and needs none.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names as type checkers see them; at run time each is imported on first use
+    from engine.async_engine import AsyncEngine, EngineOverloadedError
+    from engine.config import EngineConfig
+    from engine.core import EngineCore, EngineStats
+    from engine.errors import PROMPT, RequestError
+    from engine.handover import NextBlockReuse, NextHandover
+    from engine.kv_events import KVFeed, to_vllm_events
+    from engine.kv_wire import ENCODINGS, WireBatch, decode_batch, encode_batch
+    from engine.llm import LLM
+    from engine.options import Option, add_options
+    from engine.prompts import synthetic_chat
+    from engine.request import (
+        MAX_LOGPROBS,
+        MAX_N,
+        ChatPrompt,
+        CompletionOutput,
+        RequestOutput,
+        RequestState,
+        SamplingParams,
+        TextPrompt,
+    )
+    from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot, Telemetry
 
 # name -> module; imported on first use, so that light modules (``engine.options``) load without torch
 _EXPORTS = {
@@ -24,8 +66,36 @@ _EXPORTS = {
     "SamplingParams": "engine.request",
     "RequestOutput": "engine.request",
     "CompletionOutput": "engine.request",
+    "RequestState": "engine.request",
+    "ChatPrompt": "engine.request",
+    "TextPrompt": "engine.request",
+    "MAX_LOGPROBS": "engine.request",
+    "MAX_N": "engine.request",
+    "RequestError": "engine.errors",
+    "PROMPT": "engine.errors",
+    "Telemetry": "engine.telemetry",
+    "StepSnapshot": "engine.telemetry",
+    "PHASE_IDLE": "engine.telemetry",
+    "PHASE_PREFILL": "engine.telemetry",
+    "PHASE_DECODE": "engine.telemetry",
+    "NextHandover": "engine.handover",
+    "NextBlockReuse": "engine.handover",
+    "KVFeed": "engine.kv_events",
+    "to_vllm_events": "engine.kv_events",
+    "WireBatch": "engine.kv_wire",
+    "encode_batch": "engine.kv_wire",
+    "decode_batch": "engine.kv_wire",
+    "ENCODINGS": "engine.kv_wire",
+    "Option": "engine.options",
+    "add_options": "engine.options",
+    "synthetic_chat": "engine.prompts",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "AsyncEngine", "EngineOverloadedError", "EngineConfig", "EngineCore", "EngineStats",
+           "SamplingParams", "RequestOutput", "CompletionOutput", "RequestState", "ChatPrompt", "TextPrompt",
+           "MAX_LOGPROBS", "MAX_N", "RequestError", "PROMPT", "Telemetry", "StepSnapshot", "PHASE_IDLE",
+           "PHASE_PREFILL", "PHASE_DECODE", "NextHandover", "NextBlockReuse", "KVFeed", "to_vllm_events",
+           "WireBatch", "encode_batch", "decode_batch", "ENCODINGS", "Option", "add_options",
+           "synthetic_chat"]
 
 
 def __getattr__(name: str):

@@ -242,6 +242,29 @@ class EngineCore:
         self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
+    def run_to_end(self, max_steps: int | None = None) -> dict[str, RequestOutput]:
+        """Step on the calling thread until no request is waiting, running or queued (or ``max_steps`` steps
+        have run): the synchronous loop of the offline demos (Compare, the batch-invariance demo).
+
+        Args:
+            max_steps: most steps to run (None: until every request has finished).
+
+        Returns:
+            the final output of every request that ended in these steps, by request id (in the order they
+            ended); what a step ran is in :attr:`telemetry`, one snapshot per step.
+
+        Raises:
+            Exception: what :meth:`step` raises (nothing is aborted: the caller owns this core).
+        """
+        final: dict[str, RequestOutput] = {}
+        steps = 0
+        while self.has_unfinished_requests() and (max_steps is None or steps < max_steps):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+            steps += 1
+        return final
+
     def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], float]:
         """The forward and the sampling of a scheduled step: ``(request id -> sampled token id, seconds)``.
         A request whose forward rows, logits or draw fail is finished with an error here, alone."""

@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
+from engine import AsyncEngine
 from server.http_guards import DEFAULT_MAX_BODY_BYTES
 from server.kv_publisher import KVEventPublisher, KVEventsConfig, binds, parse_kv_events_config
 from server.openai_api import create_api

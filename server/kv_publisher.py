@@ -31,8 +31,7 @@ from typing import Any
 
 import zmq
 
-from engine.kv_events import KVFeed, to_vllm_events
-from engine.kv_wire import ENCODINGS, encode_batch
+from engine import ENCODINGS, KVFeed, encode_batch, to_vllm_events
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

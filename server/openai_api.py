@@ -42,9 +42,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine, EngineOverloadedError
-from engine.errors import PROMPT, RequestError
-from engine.request import ChatPrompt, RequestOutput, SamplingParams, TextPrompt
+from engine import (
+    PROMPT,
+    AsyncEngine,
+    ChatPrompt,
+    EngineOverloadedError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TextPrompt,
+)
 from server.http_guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, MethodCheck
 from server.logprobs import TokenText
 from server.metrics import EngineMetrics

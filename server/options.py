@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from engine.options import Option, add_options
+from engine import Option, add_options
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: see the option's help
 

@@ -20,8 +20,7 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
-from engine.errors import RequestError
-from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
+from engine import MAX_LOGPROBS, MAX_N, RequestError, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
 

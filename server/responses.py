@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import CompletionOutput, RequestOutput
+from engine import CompletionOutput, RequestOutput
 from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 
 

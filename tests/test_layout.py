@@ -2,7 +2,8 @@
 
 Imports run one way: ``app.py`` -> ``ui`` / ``server`` -> ``engine`` -> ``kernels``. ``bench`` (the
 benchmark harness) may import anything, and nothing but the tests imports ``bench``. ``ui`` and
-``server`` are siblings and never import each other. Every Python file stays under 500 lines.
+``server`` are siblings and never import each other, and they use only the engine's public API (the names
+``engine/__init__.py`` exports), never its modules. Every Python file stays under 500 lines.
 """
 
 from __future__ import annotations
@@ -91,6 +92,34 @@ def test_ui_and_server_do_not_import_each_other():
     if (ROOT / "server").is_dir():
         bad += offenders(python_files("server"), {"ui"})
     assert not bad, "ui/ and server/ are siblings and must not import each other: " + "; ".join(bad)
+
+
+def engine_modules_imported(path: Path) -> list[str]:
+    """The engine modules (``engine.x``) that ``path`` imports by name, anywhere in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("engine.")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("engine."):
+            out.append(node.module or "")
+    return out
+
+
+def test_ui_and_server_use_only_the_engines_public_api():
+    """``from engine import X`` only: what the front ends need of the engine is widened on purpose in
+    ``engine/__init__.py`` (documented there), not reached for module by module."""
+    import engine
+
+    bad = [f"{p.relative_to(ROOT)} imports {', '.join(sorted(set(mods)))}"
+           for p in python_files("ui") + python_files("server") if (mods := engine_modules_imported(p))]
+    assert not bad, "ui/ and server/ import the engine only as `from engine import ...`: " + "; ".join(bad)
+    names = set()
+    for p in python_files("ui") + python_files("server"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "engine":
+                names.update(a.name for a in node.names)
+    assert names <= set(engine.__all__), f"not in engine.__all__: {sorted(names - set(engine.__all__))}"
 
 
 def test_every_python_file_is_under_500_lines():

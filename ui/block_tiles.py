@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from engine.telemetry import StepSnapshot
+from engine import StepSnapshot
 from ui import figures as F
 
 CELL_LIMIT = F.BLOCK_CELL_LIMIT  # blocks: up to this many, one cell per block

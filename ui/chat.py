@@ -29,8 +29,7 @@ from typing import Any, cast
 
 import gradio as gr
 
-from engine.async_engine import AsyncEngine, EngineOverloadedError
-from engine.request import RequestOutput, RequestState, SamplingParams
+from engine import AsyncEngine, EngineOverloadedError, RequestOutput, RequestState, SamplingParams
 from ui.i18n import language, state_text
 
 

@@ -22,12 +22,7 @@ from typing import Any, TypeAlias
 
 import gradio as gr
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.llm import LLM
-from engine.request import SamplingParams
-from engine.telemetry import PHASE_IDLE, StepSnapshot
+from engine import LLM, PHASE_IDLE, AsyncEngine, EngineConfig, EngineCore, SamplingParams, StepSnapshot
 from ui import figures, i18n
 from ui.invariance import build_invariance_section
 

@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io.json import to_json_plotly
 
-from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot
+from engine import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot
 from ui.palette import (  # noqa: F401  (re-exported: the figures' colour code)
     _NAMED_COLORS,
     CACHED_CODE,

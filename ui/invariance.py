@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.request import SamplingParams
+from engine import EngineConfig, EngineCore, SamplingParams
 from ui import i18n
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any
 import gradio as gr
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine
+from engine import AsyncEngine
 from ui import talk
 from ui.chat import ChatHandlers, session_of
 from ui.compare import build_compare_tab

@@ -44,7 +44,7 @@ from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, Panels
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine import AsyncEngine
 
 LIVE_JS = Path(__file__).with_name("live.js")
 _BOLD = re.compile(r"\*\*(.+?)\*\*")

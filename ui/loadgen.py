@@ -25,12 +25,10 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from engine.prompts import synthetic_chat
-from engine.request import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, synthetic_chat
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.telemetry import StepSnapshot
+    from engine import AsyncEngine, StepSnapshot
 
 __all__ = ["LoadGenerator", "LoadStats", "synthetic_chat"]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import plotly.colors as pc
 
-from engine.telemetry import StepSnapshot
+from engine import StepSnapshot
 
 # (hex, English name, Korean name); the first ones are the most distinct, since requests take them first.
 _NAMED_COLORS: tuple[tuple[str, str, str], ...] = (

@@ -21,7 +21,7 @@ from asyncio_throttle import Throttler
 from gradio.components.plot import PlotData
 from plotly.io.json import to_json_plotly
 
-from engine.telemetry import StepSnapshot, Telemetry
+from engine import StepSnapshot, Telemetry
 from ui import figures
 from ui.i18n import figure_labels
 

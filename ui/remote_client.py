@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from engine.prompts import synthetic_chat
+from engine import synthetic_chat
 from ui.loadgen import ChatTasks, run_size
 
 # response headers that name the replica behind a router (the first present wins); none is standard

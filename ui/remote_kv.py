@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from engine.kv_wire import WireBatch, decode_batch
+from engine import WireBatch, decode_batch
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from engine.handover import NextBlockReuse, NextHandover
+from engine import NextBlockReuse, NextHandover
 from ui.i18n import PACE_TEXTS
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine import AsyncEngine
 
 KINDS = ("handover", "reuse")
 
