@@ -1,4 +1,5 @@
-"""Chat handlers, load generator and command line, against a small stand-in for the engine's API."""
+"""Chat handlers (on the local engine's backend), load generator and command line, against a small stand-in for
+the engine's API."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from engine.request import CompletionOutput, RequestOutput
 from engine.telemetry import Telemetry
-from ui.chat import ActiveRequests, ChatHandlers, message_text, sampling_params, status_text, to_messages
+from ui.chat import ChatHandlers
+from ui.engine_backend import EngineBackend, sampling_params
 from ui.loadgen import LoadGenerator, synthetic_chat
+from ui.reply import ChatSettings, ReplyStream, message_text, to_messages
 
 SKIP = {"__type__": "update"}
 
@@ -53,6 +56,17 @@ def req(session="s1"):
     return SimpleNamespace(session_hash=session, headers={})
 
 
+def handlers(engine, **kw) -> ChatHandlers:
+    """The local page's chat handlers on ``engine``."""
+    return ChatHandlers(EngineBackend(engine), **kw)
+
+
+def respond(chat, message, history, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=-1, session="s1"):
+    """The /chat API's stream (``(chatbot, textbox)`` items) of one message, the settings by name."""
+    return chat.respond_api(message, history, req(session), temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens, seed=seed)
+
+
 async def collect(agen):
     return [x async for x in agen]
 
@@ -71,12 +85,12 @@ def test_message_text_and_to_messages_normalise_chatbot_values():
     ]
 
 
-def test_sampling_params_from_controls():
-    p = sampling_params(0.7, 0.9, 128.0, -1)
+def test_sampling_settings_from_controls():
+    p = sampling_params(ChatSettings.from_controls(temperature=0.7, top_p=0.9, max_new_tokens=128.0, seed=-1))
     assert (p.temperature, p.top_p, p.max_tokens, p.seed) == (0.7, 0.9, 128, None)
-    assert sampling_params(0, 1, 5, 42).seed == 42 and sampling_params(0, 1, 5, None).seed is None
+    assert ChatSettings.from_controls(seed=42).seed == 42 and ChatSettings.from_controls(seed=None).seed is None
     with pytest.raises(ValueError):
-        sampling_params(0.7, 0.0, 16, -1)
+        sampling_params(ChatSettings(top_p=0.0))
 
 
 def reply_of(history):
@@ -88,22 +102,23 @@ def reply_of(history):
 
 def test_respond_streams_then_leaves_textbox_alone():
     eng = StubEngine()
-    chat = ChatHandlers(eng, poll_s=0.01)
+    chat = handlers(eng, poll_s=0.01)
     history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "reply"}]
-    outs = asyncio.run(collect(chat.respond("  new question ", history, 0.0, 1.0, 16, 7, req())))
-    first_hist, first_box, rid_out = outs[0]
+    outs = asyncio.run(collect(respond(chat, "  new question ", history, 0.0, 1.0, 16, 7)))
+    first_hist, first_box = outs[0]
     assert first_box == "" and first_hist[-2] == {"role": "user", "content": "new question"}
     assert first_hist[-1]["metadata"]["title"].startswith("⏳") and first_hist[-1]["metadata"]["status"] == "pending"
-    assert all(box == SKIP for _, box, _ in outs[1:])
-    replies = [reply_of(h)[0] for h, _, _ in outs[1:]]
+    assert all(box == SKIP for _, box in outs[1:])
+    replies = [reply_of(h)[0] for h, _ in outs[1:]]
     assert [r for i, r in enumerate(replies) if r and r not in replies[:i]] == ["Hello", "Hello there",
                                                                              "Hello there friend"]
     text, title = reply_of(outs[-1][0])
     assert text == "Hello there friend" and title.startswith("✓") and outs[-1][0][-2]["metadata"]["status"] == "done"
     rid, prompt, params = eng.calls[0]
-    assert rid == rid_out and rid.startswith("chat-") and prompt[-1] == {"role": "user", "content": "new question"}
+    assert rid == chat.latest_request("s1") and rid.startswith("chat-") and rid in title
+    assert prompt[-1] == {"role": "user", "content": "new question"}
     assert len(prompt) == 3 and params.seed == 7 and params.max_tokens == 16
-    assert len(chat.active) == 0 and eng.aborted == []
+    assert chat.replies == {} and eng.aborted == []
 
 
 def test_status_lines_are_shown_but_never_sent_to_the_model():
@@ -119,60 +134,64 @@ def test_status_lines_are_shown_but_never_sent_to_the_model():
     ({"state": "queued", "position": 1, "waiting": 1}, 7, False, "Preempted"),
     ({"state": "prefilling", "computed": 40, "prompt": 120}, 0, True, "40 of 120 prompt tokens · engine paused"),
     ({"state": "decoding"}, 12, False, "Decoding: 12 tokens"),
-    ({"state": "done", "reason": "length"}, 16, True, "Finished: 16 tokens (length)"),
+    ({"state": "finished", "reason": "length"}, 16, True, "Finished: 16 tokens (length)"),
     ({"state": "stopped"}, 3, False, "Stopped after 3 tokens"),
 ])
 def test_status_text_names_each_state(state, tokens, paused, expect):
-    text, final = status_text("en", state, tokens, paused)
-    assert expect in text and final == ((state or {}).get("state") in ("done", "stopped", "failed"))
-    assert status_text("ko", state, tokens, paused)[0] != text  # translated
+    stream = ReplyStream("chat-1", "hi", state=(state or {}).get("state", "sent"), tokens=tokens,
+                         where={k: v for k, v in (state or {}).items() if k != "state"},
+                         finish_reason=(state or {}).get("reason"))
+    assert expect in stream.status("en", paused)
+    assert stream.ended == ((state or {}).get("state") in ("finished", "stopped", "failed"))
+    assert stream.status("ko", paused) != stream.status("en", paused)  # translated
 
 
 def test_a_second_message_while_a_reply_streams_starts_nothing():
     async def run():
         gate = asyncio.Event()
         eng = StubEngine(gate=gate)
-        chat = ChatHandlers(eng, poll_s=0.01)
-        first = chat.respond("a", [], 0.7, 0.9, 16, -1, req("s1"))
+        chat = handlers(eng, poll_s=0.01)
+        first = respond(chat, "a", [])
         await first.__anext__()
-        second = await collect(chat.respond("b", [], 0.7, 0.9, 16, -1, req("s1")))  # e.g. a double click
+        second = await collect(respond(chat, "b", []))  # e.g. a double click
         gate.set()
         rest = [x async for x in first]
         return eng, second, rest
 
     eng, second, rest = asyncio.run(run())
-    assert second == [(SKIP, SKIP, SKIP)] and len(eng.calls) == 1
+    assert second == [(SKIP, SKIP)] and len(eng.calls) == 1
     assert reply_of(rest[-1][0])[0] == "Hello there friend"
 
 
 def test_empty_message_does_nothing():
     eng = StubEngine()
-    outs = asyncio.run(collect(ChatHandlers(eng).respond("   ", [], 0.7, 0.9, 16, -1, req())))
-    assert outs == [(SKIP, SKIP, SKIP)] and eng.calls == []
+    outs = asyncio.run(collect(respond(handlers(eng), "   ", [])))
+    assert outs == [(SKIP, SKIP)] and eng.calls == []
 
 
 def test_rejected_request_is_shown_in_the_chat():
-    chat = ChatHandlers(StubEngine(reject="prompt is longer than the context (9000 > 8192 tokens)"), poll_s=0.01)
-    outs = asyncio.run(collect(chat.respond("x", [], 0.7, 0.9, 16, -1, req())))
+    chat = handlers(StubEngine(reject="prompt is longer than the context (9000 > 8192 tokens)"), poll_s=0.01)
+    outs = asyncio.run(collect(respond(chat, "x", [])))
     text, title = reply_of(outs[-1][0])
-    assert "longer than the context" in text and title.startswith("⚠️") and len(chat.active) == 0
+    assert "longer than the context" in text and title.startswith("⚠️") and chat.replies == {}
 
 
 def test_stop_aborts_only_the_callers_requests_and_says_stopped():
     async def run():
         gate = asyncio.Event()
         eng = StubEngine(gate=gate)
-        chat = ChatHandlers(eng, poll_s=0.01)
-        a = chat.respond("a", [], 0.7, 0.9, 16, -1, req("s1"))
-        b = chat.respond("b", [], 0.7, 0.9, 16, -1, req("s2"))
+        chat = handlers(eng, poll_s=0.01)
+        a = respond(chat, "a", [], session="s1")
+        b = respond(chat, "b", [], session="s2")
         await a.__anext__(), await b.__anext__()
         ta, tb = asyncio.ensure_future(collect(a)), asyncio.ensure_future(b.__anext__())
         await asyncio.sleep(0.05)
-        assert len(chat.active) == 2
-        chat.stop(req("s1"))
-        assert eng.aborted == [chat_ids(eng, "a")]
+        assert chat.busy("s1") and chat.busy("s2")
+        await chat.stop(req("s1"))
         outs_a = await asyncio.wait_for(ta, 5)  # the reply ends on its own, with a "stopped" status line
         assert reply_of(outs_a[-1][0])[1].startswith("⏹")
+        assert outs_a[-1][0][-1]["metadata"]["id"] == "cbp-stopped"  # marked: never sent to the model again
+        assert eng.aborted == [] and eng.closed == [chat_ids(eng, "a")]  # its engine stream was closed (aborts)
         gate.set()
         await tb
         await b.aclose()  # a tab that goes away: Gradio closes the generator
@@ -184,14 +203,9 @@ def test_stop_aborts_only_the_callers_requests_and_says_stopped():
 
     eng, chat = asyncio.run(run())
     assert sorted(eng.closed) == sorted(rid for rid, _, _ in eng.calls)  # both engine streams were closed
-    assert len(chat.active) == 0
+    assert chat.replies == {}
 
 
-def test_active_requests_registry():
-    reg = ActiveRequests()
-    reg.add("s", "r1"), reg.add("s", "r2"), reg.add("t", "r3")
-    reg.discard("s", "r1"), reg.discard("x", "nothing")
-    assert reg.of("s") == ["r2"] and reg.of("t") == ["r3"] and reg.of("u") == [] and len(reg) == 2
 
 
 def test_load_generator_runs_n_chats_and_stops():
@@ -370,21 +384,20 @@ def test_an_engine_that_is_down_fails_the_reply_instead_of_waiting_forever():
             raise RuntimeError("the engine is not running")
             yield  # an async generator
 
-    chat = ChatHandlers(Down(), poll_s=0.01)
-    outs = asyncio.run(asyncio.wait_for(collect(chat.respond("x", [], 0.7, 0.9, 16, -1, req())), 5))
+    chat = handlers(Down(), poll_s=0.01)
+    outs = asyncio.run(asyncio.wait_for(collect(respond(chat, "x", [])), 5))
     text, title = reply_of(outs[-1][0])
-    assert "not running" in text and title.startswith("⚠️") and len(chat.active) == 0
+    assert "not running" in text and title.startswith("⚠️") and chat.replies == {}
 
 
 def test_a_failed_turn_is_never_sent_to_the_model_again():
-    chat = ChatHandlers(StubEngine(reject="the prompt has 5030 tokens, but the context length is 1536"), poll_s=0.01)
-    outs = asyncio.run(collect(chat.respond("a very long message", [{"role": "user", "content": "hi"},
-                                                                    {"role": "assistant", "content": "hello"}],
-                                            0.7, 0.9, 16, -1, req())))
+    chat = handlers(StubEngine(reject="the prompt has 5030 tokens, but the context length is 1536"), poll_s=0.01)
+    outs = asyncio.run(collect(respond(chat, "a very long message", [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "content": "hello"}])))
     history = outs[-1][0]
     assert history[-2]["metadata"]["id"] == "cbp-failed" and "5030" in history[-1]["content"]
     eng = StubEngine()
-    asyncio.run(collect(ChatHandlers(eng, poll_s=0.01).respond("next", history, 0.7, 0.9, 16, -1, req())))
+    asyncio.run(collect(respond(handlers(eng, poll_s=0.01), "next", history)))
     assert eng.calls[0][1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                                {"role": "user", "content": "next"}]
 
@@ -393,21 +406,21 @@ def test_clear_ends_the_reply_without_another_update():
     async def run():
         gate = asyncio.Event()
         eng = StubEngine(gate=gate)
-        chat = ChatHandlers(eng, poll_s=0.01)
-        gen = chat.respond("a", [{"role": "user", "content": "old"}], 0.7, 0.9, 16, -1, req("s1"))
-        await gen.__anext__()
-        task = asyncio.ensure_future(collect(gen))
+        chat = handlers(eng, poll_s=0.01)
+        _, box, rid = await chat.start("a", [{"role": "user", "content": "old"}], req("s1"), temperature=0.7)
         await asyncio.sleep(0.05)
-        chat.clear(req("s1"))
-        return eng, chat, await asyncio.wait_for(task, 5)
+        cleared = await chat.clear(req("s1"))
+        await asyncio.sleep(0.05)
+        return eng, chat, cleared, rid, chat.commit(req("s1")), chat.live_reply("s1")
 
-    eng, chat, rest = asyncio.run(run())
-    assert rest == [] and eng.aborted == [eng.calls[0][0]] and len(chat.active) == 0
+    eng, chat, cleared, rid, commit, live = asyncio.run(run())
+    assert cleared[:2] == ([], "") and commit[0] == SKIP and live is None  # nothing writes the turn back
+    assert eng.closed == [rid] and chat.replies == {} and chat.latest_request("s1") is None
 
 
 def test_queued_again_after_holding_a_slot_is_preempted_even_before_the_first_token():
-    text, _ = status_text("en", {"state": "queued", "position": 1, "waiting": 3}, 0, False, started=True)
-    assert text.startswith("⏸ Preempted")
+    stream = ReplyStream("chat-1", "hi", state="queued", where={"position": 1, "waiting": 3}, started=True)
+    assert stream.status("en").startswith("⏸ Preempted")
 
 
 def test_host_key_and_pace_line():
@@ -434,7 +447,7 @@ def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokeniz
 
     eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=1), model=tiny_model,
                                  tokenizer=tokenizer))
-    chat = ChatHandlers(eng, poll_s=0.02)
+    chat = handlers(eng, poll_s=0.02)
 
     def polled(request_id):
         raise AssertionError("the chat polled the telemetry")
@@ -446,7 +459,7 @@ def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokeniz
         titles: dict[str, list[str]] = {"a": [], "b": []}
 
         async def one(session):
-            async for hist, _box, _rid in chat.respond(f"hello from {session}", [], 0.0, 1.0, 4, None, req(session)):
+            async for hist, _box in respond(chat, f"hello from {session}", [], 0.0, 1.0, 4, None, session=session):
                 if isinstance(hist, list):
                     titles[session].append(hist[-1 if hist[-1].get("metadata") else -2]["metadata"]["title"])
 
@@ -477,7 +490,7 @@ def test_a_cancelled_reply_ends_at_once_even_as_an_output_arrives():
 
     async def run(turns: int) -> tuple[bool, bool]:
         eng = StubEngine(reply=" ".join(["w"] * 2000))
-        replies = ChatHandlers(eng, poll_s=0.25).respond("hi", [], 0.0, 1.0, 16, -1, req())
+        replies = respond(handlers(eng, poll_s=0.25), "hi", [], 0.0, 1.0, 16, -1)
 
         async def consume():
             async for _ in replies:

@@ -148,12 +148,8 @@ def run_policy(model, tokenizer, preset: ComparePreset, policy: str, num_blocks:
     for rid, message, n in preset.requests:
         core.add_request(rid, [{"role": "user", "content": message}],
                          SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    texts: dict[str, str] = {}
     t0 = time.perf_counter()
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                texts[out.request_id] = out.text
+    texts = {rid: out.text for rid, out in core.run_to_end().items()}
     wall = time.perf_counter() - t0
     snaps = core.telemetry.snapshots()
     history = [{s.request_id: s.batch_slot for s in snap.batch_slots if s.request_id is not None and s.phase != PHASE_IDLE}

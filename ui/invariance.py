@@ -97,28 +97,21 @@ def _target_params() -> SamplingParams:
 
 
 def _run_to_end(core: EngineCore, target: str, neighbours: bool) -> tuple[list[int], list[float], int]:
-    """Step ``core`` until every request finished; the target's token ids, their logprobs and the largest
-    batch."""
+    """Run ``core`` until every request finished (:meth:`engine.EngineCore.run_to_end`); the target's token ids,
+    their logprobs and the most requests running after one of its steps (from the engine's telemetry)."""
     if neighbours:
         for i, (message, n) in enumerate(NEIGHBOURS):
             core.add_request(f"n{i}", [{"role": "user", "content": message}],
                              SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        for _ in range(ARRIVAL_STEP):
-            core.step()
+        core.run_to_end(max_steps=ARRIVAL_STEP)
+    arrived = core.step_count
     core.add_request(target, [{"role": "user", "content": TARGET_MESSAGE}], _target_params())
-    ids: list[int] = []
-    logprobs: list[float] = []
-    largest = 0
-    while core.has_unfinished_requests():
-        outs = core.step()
-        largest = max(largest, len(core.scheduler.running))
-        for out in outs:
-            if out.request_id == target and out.finished:
-                if out.error:
-                    raise RuntimeError(out.error)
-                ids = list(out.token_ids)
-                logprobs = [lp for _, lp, _ in out.outputs[0].logprobs or []]
-    return ids, logprobs, largest
+    out = core.run_to_end()[target]
+    if out.error:
+        raise RuntimeError(out.error)
+    logprobs = [lp for _, lp, _ in out.outputs[0].logprobs or []]
+    largest = max((s.num_running for s in core.telemetry.snapshots() if s.step > arrived), default=0)
+    return list(out.token_ids), logprobs, largest
 
 
 def run_mode(model, tokenizer, batch_invariant: bool, num_blocks: int = 160, block_size: int = 16) -> InvarianceRun:

@@ -14,8 +14,9 @@ from fastapi import Request
 
 from engine import AsyncEngine
 from ui import talk
-from ui.chat import ChatHandlers, session_of
+from ui.chat import ChatHandlers, session_of, settings_inputs
 from ui.compare import build_compare_tab
+from ui.engine_backend import EngineBackend
 from ui.i18n import EMBEDDED_MODEL, I18N, SUMMARY_TEXTS, language, state_text, t
 from ui.invariance import INVARIANCE_CSS
 from ui.live import LiveChannel, head_html
@@ -113,7 +114,7 @@ def build_app(
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s, num_slots=cfg.max_num_seqs,
                     num_blocks=cfg.num_blocks)
     # every status line names the colour, queued ones too: a chat's request gets its colour when sent
-    chat = ChatHandlers(engine, describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
+    chat = ChatHandlers(EngineBackend(engine), describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
     loadgen = LoadGenerator(engine)
     live = LiveChannel(engine, panels, chat, loadgen, window=window, refresh_s=refresh_s)
     capacity = int(engine.telemetry.capacity)
@@ -137,15 +138,8 @@ def build_app(
         if allowed(request):
             loadgen.stop()
 
-    def clear(request: gr.Request):
-        chat.clear(request)
-        return [], "", gr.update(interactive=True)
-
     def lock_send():
         return gr.update(interactive=False)
-
-    def unlock_send(request: gr.Request):
-        return gr.update(interactive=not chat.active.of(session_of(request)))
 
     def pause(request: gr.Request) -> None:
         if allowed(request):
@@ -272,17 +266,20 @@ def build_app(
 
         # trigger_mode="multiple": a second Send or Enter reaches start(), which refuses it with a warning
         pacing_api = "private" if host_key else "public"  # host-only actions: no public API with a host key
-        chat_inputs = [msg, chatbot, temperature, top_p, max_new, seed]
+        # the sampling controls go by name (one ChatSettings in the handlers), after the message and history
+        settings = settings_inputs(temperature, top_p, max_new, seed)
         locked = gr.on([msg.submit, send.click], lock_send, None, send, api_visibility="private", queue=False,
                        trigger_mode="multiple")
-        started = locked.then(chat.start, chat_inputs, [chatbot, msg, mine_box], api_visibility="private",
-                              concurrency_limit=None, show_progress="hidden", trigger_mode="multiple")
-        started.then(unlock_send, None, send, api_visibility="private", queue=False)
+        started = locked.then(chat.start, [msg, chatbot], [chatbot, msg, mine_box], inputs_kwargs=settings,
+                              api_visibility="private", concurrency_limit=None, show_progress="hidden",
+                              trigger_mode="multiple")
+        started.then(chat.unlock_send, None, send, api_visibility="private", queue=False)
         commit_btn.click(chat.commit, None, [chatbot, send], api_visibility="private", queue=False,
                          trigger_mode="multiple")
-        api_chat.click(chat.respond_api, chat_inputs, [chatbot, msg], api_name="chat", concurrency_limit=None)
+        api_chat.click(chat.respond_api, [msg, chatbot], [chatbot, msg], inputs_kwargs=settings, api_name="chat",
+                       concurrency_limit=None)
         stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
-        clear_btn.click(clear, None, [chatbot, msg, send], api_name="clear", concurrency_limit=None)
+        clear_btn.click(chat.clear, None, [chatbot, msg, send], api_name="clear", concurrency_limit=None)
         start_btn.click(start_load, [n_chats, rate], None, api_name="start_load", concurrency_limit=None,
                         api_visibility=pacing_api)
         stop_btn.click(stop_load, None, None, api_name="stop_load", concurrency_limit=None,

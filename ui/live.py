@@ -134,7 +134,6 @@ class LiveChannel:
 
     def bye(self, session: str) -> None:
         """The tab closed: abort what it streams (its KV blocks return to the pool) and forget it."""
-        self.chat.abort_session(session)
         self.chat.forget(session)
         self.tabs.pop(session, None)
 
