@@ -83,9 +83,8 @@ def _start_long_chat(live_app, client):
     chat = live_app.demo.cbp_chat
     job = client.submit("Write a very long essay about the history of Rome.", [], 0.0, 1.0, 400, 0,
                         api_name="/chat")
-    ids = wait(lambda: chat.active.of(client.session_hash), timeout=120)
-    assert ids, "the chat never started"
-    rid = ids[0]
+    assert wait(lambda: chat.busy(client.session_hash), timeout=120), "the chat never started"
+    rid = chat.latest_request(client.session_hash)
     tel = live_app.engine.telemetry
     assert wait(lambda: tel.latest() and len(tel.latest().block_tables.get(rid, ())) > 0, timeout=120)
     return job, rid

@@ -11,8 +11,7 @@ from types import SimpleNamespace
 from engine.config import EngineConfig
 from engine.telemetry import Telemetry
 from tests.test_ui_figures import SEQ
-from tests.test_ui_handlers import StubEngine, req
-from ui.chat import ChatHandlers
+from tests.test_ui_handlers import StubEngine, handlers, req
 from ui.live import LiveChannel, markdown_line_html, pacing_line
 from ui.loadgen import LoadGenerator
 from ui.panels import Panels
@@ -23,7 +22,7 @@ def _channel(engine=None, lease_s=90.0):
     engine.telemetry = Telemetry(capacity=16)
     engine.step_count, engine.paused, engine.min_step_time = 0, False, 0.0
     panels = Panels(engine.telemetry, max_builds_per_s=100, num_slots=3, num_blocks=24)
-    chat = ChatHandlers(engine, describe=panels.color_name, poll_s=0.01)
+    chat = handlers(engine, describe=panels.color_name, poll_s=0.01)
     return engine, chat, LiveChannel(engine, panels, chat, LoadGenerator(engine), lease_s=lease_s)
 
 
@@ -52,7 +51,7 @@ def test_a_reply_streams_through_polls_and_is_committed_into_the_chatbot():
     engine, chat, live = _channel(StubEngine("one two three", gate=gate))
 
     async def run():
-        history, box, rid = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("tab"))
+        history, box, rid = await chat.start("hi", [], req("tab"), temperature=0.0, top_p=1.0, max_new_tokens=8)
         assert box == "" and rid.startswith("chat-") and history == [{"role": "user", "content": "hi"}]
         waiting = json.loads(await live.frame("tab", None))["chat"]
         assert waiting["rid"] == rid and not waiting["final"] and waiting["text"] == ""
@@ -79,9 +78,9 @@ def test_a_second_message_while_a_reply_streams_is_refused():
     engine, chat, _live = _channel(StubEngine("a b", gate=gate))
 
     async def run():
-        await chat.start("first", [], 0.0, 1.0, 8, -1, req("tab"))
-        second = await chat.start("second", [], 0.0, 1.0, 8, -1, req("tab"))
-        active = chat.active.of("tab")
+        await chat.start("first", [], req("tab"), temperature=0.0, top_p=1.0, max_new_tokens=8)
+        second = await chat.start("second", [], req("tab"), temperature=0.0, top_p=1.0, max_new_tokens=8)
+        active = [chat.latest_request("tab")] if chat.busy("tab") else []
         gate.set()
         return second, active
 
@@ -96,17 +95,20 @@ def test_goodbye_and_the_lease_abort_a_closed_tabs_reply():
     async def run():
         live.open("a", is_host=True)
         live.open("b", is_host=False)
-        _, _, rid_a = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("a"))
-        _, _, rid_b = await chat.start("hi", [], 0.0, 1.0, 8, -1, req("b"))
+        _, _, rid_a = await chat.start("hi", [], req("a"), temperature=0.0, top_p=1.0, max_new_tokens=8)
+        _, _, rid_b = await chat.start("hi", [], req("b"), temperature=0.0, top_p=1.0, max_new_tokens=8)
+        await asyncio.sleep(0.05)  # both requests reach the engine
         live.bye("a")  # the page's beacon on close
         now = live.tabs["b"].last_seen
         assert live.reap(now + 1.0) == []  # polled a second ago: alive
         assert live.reap(now + 6.0) == ["b"]  # silent past the lease: taken as closed
+        await asyncio.sleep(0.05)
+        closed = list(engine.closed)  # their engine streams were closed before any token came: aborted
         gate.set()
-        return rid_a, rid_b
+        return rid_a, rid_b, closed
 
-    rid_a, rid_b = asyncio.run(run())
-    assert engine.aborted == [rid_a, rid_b]
+    rid_a, rid_b, closed = asyncio.run(run())
+    assert sorted(closed) == sorted([rid_a, rid_b])
     assert live.tabs == {} and chat.latest_request("a") is None
 
 

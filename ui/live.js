@@ -58,6 +58,7 @@
     if (!box) return;
     if (!chat) { box.hidden = true; return; }
     box.hidden = false;
+    box.dataset.state = chat.state || ""; // sent ... decoding, then finished, stopped or failed
     text("live-reply-title", chat.title);
     text("live-reply-text", chat.text);
     if (chat.final && !st.committed.has(chat.rid)) {
@@ -89,7 +90,8 @@
 
   async function poll() {
     const sid = session();
-    if (!sid || !window.Plotly) return schedule(0.05); // the page is still being built
+    // the page is still being built (a page without panels, remote mode's, needs no Plotly here)
+    if (!sid || (!window.Plotly && document.querySelector(".cbp-panel"))) return schedule(0.05);
     if (st.busy) { st.again = true; return; }
     st.busy = true;
     const rates = $("rates");
