@@ -288,15 +288,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def main_remote(args: argparse.Namespace) -> None:
-    """Remote mode: no engine; the remote page (``ui.remote_page``) on FastAPI + uvicorn, until interrupted.
-    Exits with status 2 (one line) when more --kv-replay-url than --kv-events-url are given."""
+    """Remote mode: no engine; the remote page (``ui.remote.page``) on FastAPI + uvicorn, until interrupted.
+    Exits with status 2 (one line) when more --kv-replay-url than --kv-events-url are given. A server that does
+    not answer yet is no error: the page's header and notice follow it as it comes up."""
     import asyncio
 
     from ui.queue_polling import quiet_queue
-    from ui.remote_client import RemoteClient, RemoteError
-    from ui.remote_kv import KVMap, start_subscribers
-    from ui.remote_metrics import MetricsScraper
-    from ui.remote_page import build_remote_app, remote_mount_kwargs
+    from ui.remote.backend import RemoteBackend
+    from ui.remote.client import RemoteClient
+    from ui.remote.kv import KVMap, start_subscribers
+    from ui.remote.metrics import MetricsScraper
+    from ui.remote.page import build_remote_app, launch_remote, remote_mount_kwargs
 
     urls, kv_urls, replay_urls = (split_urls(args.backend_url), split_urls(args.kv_events_url),
                                   split_urls(args.kv_replay_url))
@@ -304,11 +306,8 @@ def main_remote(args: argparse.Namespace) -> None:
         print("error: more --kv-replay-url than --kv-events-url (they pair by position)", file=sys.stderr, flush=True)
         raise SystemExit(2)
     client = RemoteClient(urls[0], args.backend_model or None, api_key=args.backend_api_key or None)
-    notice = None
-    try:
-        asyncio.run(asyncio.wait_for(client.resolve_model(), 10))
-    except (RemoteError, TimeoutError) as exc:
-        notice = f"the backend did not list its model yet ({exc or 'timed out'}); chats will ask again"
+    backend = RemoteBackend(client)
+    state = asyncio.run(backend.probe(timeout=10))
     scraper = MetricsScraper(urls)
     kv_map = KVMap() if kv_urls else None
     subscribers = start_subscribers(kv_urls, replay_urls, args.kv_events_topic, kv_map) if kv_map else []
@@ -316,11 +315,14 @@ def main_remote(args: argparse.Namespace) -> None:
     refresh = max(args.refresh, 1.0)
     print(f"remote   chats and load to {client.base_url} (model {client.model or '?'}); /metrics of "
           f"{len(urls)} server(s); KV events: {', '.join(kv_urls) or 'off'}; panels every {refresh:g} s", flush=True)
-    demo = build_remote_app(client, scraper, kv_map, subscribers, refresh_s=refresh, notice=notice)
+    if state.error:
+        print(f"remote   {state.error}", flush=True)
+    demo = build_remote_app(client, scraper, kv_map, subscribers, refresh_s=refresh, backend=backend)
     if args.share:
         demo.queue(max_size=args.queue_size)
         quiet_queue(demo)
-        demo.launch(share=True, server_name=args.host, server_port=args.port, **remote_mount_kwargs())
+        launch_remote(demo, share=True, server_name=args.host, server_port=args.port)
+        demo.block_thread()
         return
     import gradio as gr
     import uvicorn
@@ -329,9 +331,10 @@ def main_remote(args: argparse.Namespace) -> None:
     from server.app import resolve_address
 
     app = FastAPI()
+    app.include_router(demo.cbp_router)  # the chat's live channel, ahead of the mounted page
     demo.queue(max_size=args.queue_size)
     quiet_queue(demo)
-    gr.mount_gradio_app(app, demo, path="/", **remote_mount_kwargs())
+    gr.mount_gradio_app(app, demo, path="/", **remote_mount_kwargs(demo))
     host, port = resolve_address(args.host, args.port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     print(f"* Running on http://{shown}:{port}  (remote mode: UI at /; no local model, no API)", flush=True)

@@ -1,6 +1,6 @@
 """Remote mode against a real server: our own ``app.py`` started as a separate process on a tiny random-weight
 model saved to a folder, driven only through its HTTP interfaces, as a vLLM deployment would be: a chat streams
-through :class:`ui.remote_client.RemoteClient`, the counters read from ``/metrics`` move, Stop (the page's
+through :class:`ui.remote.client.RemoteClient`, the counters read from ``/metrics`` move, Stop (the page's
 handler) aborts the request on the server, the KV map receives the server's KV events (when the server has
 ``--kv-events-config``), and ``app.py --backend-url`` serves the remote page. Every wait is bounded; the
 processes are killed at the end."""
@@ -15,16 +15,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import app
-from ui.remote_client import RemoteClient
-from ui.remote_kv import KVMap, KVSubscriber
-from ui.remote_metrics import MetricsScraper, parse_metrics
-from ui.remote_page import build_remote_app
+from ui.remote.client import RemoteClient
+from ui.remote.kv import KVMap, KVSubscriber
+from ui.remote.metrics import MetricsScraper, parse_metrics
+from ui.remote.page import build_remote_app
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 240  # seconds: model load, and the C++ kernel build on a machine that never built it
@@ -143,20 +144,23 @@ def test_stop_on_the_page_aborts_the_request_on_the_server(server):
     async def run():
         client = RemoteClient(url)
         demo = build_remote_app(client, MetricsScraper([url], timeout=30), refresh_s=1.0)
-        h = demo.cbp_remote
-        gen = h.respond("Count slowly from one to one thousand.", [], 0.0, 1.0, 600)
-        outs = [await gen.__anext__()]  # the empty reply
-        while not outs[-1][0][-1]["content"]:
-            outs.append(await asyncio.wait_for(gen.__anext__(), 60))
+        h, tab = demo.cbp_remote, SimpleNamespace(session_hash="tab", headers={})
+        await h.chat.start("Count slowly from one to one thousand.", [], tab, temperature=0.0, top_p=1.0,
+                           max_new_tokens=600)
+        deadline = time.monotonic() + 60
+        while not json.loads(h.poll("tab"))["chat"]["text"]:  # the first text
+            assert time.monotonic() < deadline, "no text within 60 s"
+            await asyncio.sleep(0.02)
         pending = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)[0].raw["cbp:num_requests_pending"]
-        h.stop()
-        outs += [o async for o in gen]
-        counters, timeline, *_ = await h.refresh()
-        return client, pending, outs, counters, timeline
+        await h.chat.stop(tab)
+        await asyncio.sleep(0.2)  # the reply's task closes its stream
+        history, _send = h.chat.commit(tab)
+        _header, _notice, counters, timeline, *_ = await h.refresh()
+        return client, pending, history, counters, timeline
 
-    client, pending, outs, counters, timeline = asyncio.run(run())
+    client, pending, history, counters, timeline = asyncio.run(run())
     assert pending == 1
-    assert outs[-1][0][-1]["content"].endswith("[stopped]")
+    assert history[-2]["metadata"]["id"] == "cbp-stopped" and history[-2]["metadata"]["title"].startswith("⏹")
     assert client.log.records()[-1].status == "aborted"
     deadline = time.monotonic() + 60
     while True:

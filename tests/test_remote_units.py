@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 
@@ -16,9 +17,9 @@ import zmq
 
 import app
 from engine.kv_wire import decode_batch, encode_batch
-from ui.remote_client import RemoteClient, RemoteError, RequestLog
-from ui.remote_kv import END_SEQ, KVMap, KVSubscriber
-from ui.remote_metrics import Histogram, MetricsScraper, metrics_url, parse_metrics
+from ui.remote.client import RemoteClient, RemoteError, RequestLog
+from ui.remote.kv import END_SEQ, KVMap, KVSubscriber
+from ui.remote.metrics import Histogram, MetricsScraper, metrics_url, parse_metrics
 
 M = 'model_name="Qwen/Qwen3-0.6B"'
 VLLM_TEXT = f"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -330,7 +331,14 @@ def test_remote_options_repeat_split_and_read_the_environment():
 def test_page_builds_and_its_handlers_run_without_a_browser():
     import gradio as gr
 
-    from ui.remote_page import build_remote_app
+    from tests.test_ui_handlers import req
+    from ui.remote.page import build_remote_app
+
+    async def until_final(h, session):
+        deadline = time.monotonic() + 30
+        while not json.loads(h.poll(session))["chat"]["final"]:
+            assert time.monotonic() < deadline, h.poll(session)
+            await asyncio.sleep(0.01)
 
     async def run():
         fake = FakeServer(texts=tuple("abcdefghijklmnop"), delay=0.02)
@@ -338,22 +346,29 @@ def test_page_builds_and_its_handlers_run_without_a_browser():
         scraper = MetricsScraper(["http://fake:8000"], transport=httpx.MockTransport(
             lambda r: httpx.Response(200, text=VLLM_TEXT)))
         demo = build_remote_app(client, scraper, refresh_s=1.0)
-        assert isinstance(demo, gr.Blocks)
-        h = demo.cbp_remote
-        outs = [o async for o in h.respond("hello", [], 0.0, 1.0, 16)]
-        history, box = outs[-1]
-        assert box == "" and history[-1] == {"role": "assistant", "content": "abcdefghijklmnop"}
-        counters, timeline, kv_fig, kv_md, load = await h.refresh()
+        assert isinstance(demo, gr.Blocks) and demo.cbp_router is not None and "live.js" in demo.cbp_head
+        h, chat = demo.cbp_remote, demo.cbp_remote.chat
+        shown, box, rid = await chat.start("hello", [], req("tab"), temperature=0.0, top_p=1.0, max_new_tokens=16)
+        assert box == "" and shown == [{"role": "user", "content": "hello"}] and rid.startswith("chat-")
+        await until_final(h, "tab")
+        history, _send = chat.commit(req("tab"))
+        assert history[-1] == {"role": "assistant", "content": "abcdefghijklmnop"}
+        assert history[-2]["metadata"]["title"].startswith("✓ Finished: 16 tokens (stop)")  # the server's usage
+        header, notice, counters, timeline, kv_fig, kv_md, load = await h.refresh()
+        assert "model `m`" in header and notice["visible"] is False
         assert "Qwen/Qwen3-0.6B" not in counters and "27,000 x 16" in counters and "lag by seconds" in counters
         assert len(timeline.data[0].y) == 1 and "KV map off" in kv_md and kv_fig.layout.annotations
-        gen = h.respond("again", history, 0.0, 1.0, 16)
-        await gen.__anext__()
-        await gen.__anext__()  # the first text
-        h.stop()
-        outs = [o async for o in gen]
-        assert outs[-1][0][-1]["content"].endswith("[stopped]")
+        assert "&quot;" not in kv_fig.layout.annotations[0].text and "<br>" in kv_fig.layout.annotations[0].text
+        await chat.start("again", history, req("tab"), temperature=0.0, top_p=1.0, max_new_tokens=16)
+        while not json.loads(h.poll("tab"))["chat"]["text"]:  # the first text
+            await asyncio.sleep(0.01)
+        await chat.stop(req("tab"))
+        await until_final(h, "tab")
+        stopped, _ = chat.commit(req("tab"))
+        assert stopped[-2]["metadata"]["id"] == "cbp-stopped" and "[stopped]" not in stopped[-1]["content"]
+        await asyncio.sleep(0.05)
         assert client.log.records()[-1].status == "aborted"
-        assert h.clear() == ([], "")
+        assert (await chat.clear(req("tab")))[:2] == ([], "")
         assert (await h.start_load(3, 50)).startswith("run 1: 3 requested")
         deadline = time.monotonic() + 30
         while h.load.counts()["finished"] < 3:
@@ -366,7 +381,7 @@ def test_page_builds_and_its_handlers_run_without_a_browser():
 
 
 def test_a_vllm_metric_without_an_engine_label_makes_no_row_of_its_own():
-    from ui.remote_metrics import parse_metrics
+    from ui.remote.metrics import parse_metrics
 
     text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             '# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{max_lora="0",model_name="m"} 1.0\n')
@@ -382,7 +397,7 @@ def test_hostile_kv_batches_and_stream_chunks_end_cleanly():
     import msgspec
 
     from engine.kv_wire import decode_batch
-    from ui.remote_client import RemoteClient, RemoteError
+    from ui.remote.client import RemoteClient, RemoteError
 
     for bad in ([1.0, [{"type": "BlockStored", "block_hashes": ["abc"], "token_ids": [], "block_size": 16}]],
                 [1.0, [{"type": "BlockStored", "block_hashes": [1], "medium": [1], "block_size": 16}]],
@@ -446,7 +461,7 @@ def test_subscriber_outlives_a_hostile_batch():
 
 
 def test_a_trickling_metrics_server_gets_an_error_row_in_bounded_time():
-    from ui.remote_metrics import MetricsScraper
+    from ui.remote.metrics import MetricsScraper
 
     def trickle():
         for _ in range(20):

@@ -73,7 +73,7 @@ _STATUS = {
 
 class ChatTasks:
     """The tasks of a load generator: chats and pacing tasks on the running event loop, all cancellable at
-    once. Shared by :class:`LoadGenerator` (local engine) and ``ui.remote_client.RemoteLoad``."""
+    once. Shared by :class:`LoadGenerator` (local engine) and ``ui.remote.client.RemoteLoad``."""
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task] = set()  # every run's tasks not yet done

@@ -30,20 +30,14 @@ import httpx
 
 from engine import synthetic_chat
 from ui.loadgen import ChatTasks, run_size
+from ui.remote.errors import RemoteError, from_exception, from_status
+
+__all__ = ["REPLICA_HEADERS", "STATUSES", "RemoteClient", "RemoteError", "RemoteLoad", "RequestLog", "RequestRecord"]
 
 # response headers that name the replica behind a router (the first present wins); none is standard
 REPLICA_HEADERS: tuple[str, ...] = ("x-replica", "x-served-by", "x-backend-server", "x-upstream-addr",
                                     "x-worker-id", "x-instance-id")
 STATUSES = ("queued", "decoding", "finished", "aborted", "error")
-
-
-class RemoteError(RuntimeError):
-    """The server refused or failed a request: ``status`` (HTTP status; 0 for a connection error or an error
-    event inside the stream) and the server's message."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -124,6 +118,7 @@ def _replica_of(headers: httpx.Headers, names: Sequence[str]) -> str | None:
 
 
 MAX_LINE_CHARS = 4 * 1024 * 1024  # one server-sent event line (a chunk is a few hundred bytes)
+_UNREADABLE = "The server sent a reply this page cannot read: is the URL an OpenAI-compatible server? Check --backend-url."
 
 
 class RemoteClient:
@@ -158,25 +153,38 @@ class RemoteClient:
         return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
                                  transport=self._transport)
 
+    async def list_models(self, timeout: float | None = None) -> list[str]:
+        """The model ids of ``GET /v1/models``, in the server's order (``timeout``: seconds, default the client's).
+
+        Raises:
+            RemoteError: the server cannot be reached, answers an error status or no model list.
+        """
+        try:
+            async with self._http() as http:
+                r = await http.get("/v1/models", timeout=timeout if timeout is not None else self._timeout)
+                if r.status_code != 200:
+                    raise from_status(r.status_code, _message(r.text), "/v1/models")
+                body = r.json()
+        except httpx.HTTPError as exc:
+            raise from_exception(exc, self.base_url) from None
+        except ValueError as exc:
+            raise RemoteError("The server's /v1/models is not JSON: is the URL an OpenAI-compatible server? Check "
+                              "--backend-url.", f"{type(exc).__name__}: {exc}") from None
+        data = body.get("data") if isinstance(body, dict) else None
+        ids = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
+        if not ids:
+            raise RemoteError("The server lists no model at /v1/models: pass the model's name with --backend-model.",
+                              f"{self.base_url}/v1/models lists no model")
+        return ids
+
     async def resolve_model(self) -> str:
         """The model name to send: ``model`` if given, else the first of ``GET /v1/models`` (then kept).
 
         Raises:
             RemoteError: the server cannot be reached or lists no model.
         """
-        if self.model:
-            return self.model
-        try:
-            async with self._http() as http:
-                r = await http.get("/v1/models")
-                r.raise_for_status()
-                body = r.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise RemoteError(f"GET {self.base_url}/v1/models failed: {type(exc).__name__}: {exc}") from None
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
-            raise RemoteError(f"{self.base_url}/v1/models lists no model")
-        self.model = str(data[0]["id"])
+        if not self.model:
+            self.model = (await self.list_models())[0]
         return self.model
 
     async def stream_chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 256, temperature: float = 0.7,
@@ -214,14 +222,15 @@ class RemoteClient:
                 rec.replica = _replica_of(resp.headers, self.replica_headers)
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode("utf-8", "replace")
-                    raise RemoteError(f"HTTP {resp.status_code}: {_message(text)}", resp.status_code)
+                    raise from_status(resp.status_code, _message(text))
                 kind = resp.headers.get("content-type", "")
                 if not kind.startswith("text/event-stream"):
-                    raise RemoteError(f"the server answered {kind or 'no content type'}, not a stream of events "
-                                      "(text/event-stream): is the URL an OpenAI-compatible server?")
+                    raise RemoteError("The server did not answer with a stream of events: the URL is probably not "
+                                      "an OpenAI-compatible server; check --backend-url.",
+                                      f"it answered {kind or 'no content type'}, not text/event-stream")
                 async for line in resp.aiter_lines():
                     if len(line) > MAX_LINE_CHARS:
-                        raise RemoteError(f"an event line of over {MAX_LINE_CHARS:,} characters")
+                        raise RemoteError(_UNREADABLE, f"an event line of over {MAX_LINE_CHARS:,} characters")
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
@@ -237,12 +246,10 @@ class RemoteClient:
         except RemoteError as exc:
             rec.status, rec.error = "error", str(exc)
             raise
-        except httpx.HTTPError as exc:
-            rec.status, rec.error = "error", f"{type(exc).__name__}: {exc}"
-            raise RemoteError(rec.error) from None
         except Exception as exc:  # noqa: BLE001 -- whatever a server sends, the chat ends with an error
-            rec.status, rec.error = "error", f"unexpected response: {type(exc).__name__}: {exc}"
-            raise RemoteError(rec.error) from None
+            err = from_exception(exc, self.base_url)
+            rec.status, rec.error = "error", str(err)
+            raise err from None
         finally:
             rec.ended = time.time()
 
@@ -255,20 +262,20 @@ class RemoteClient:
         if not isinstance(obj, dict):
             return ""
         if "error" in obj:
-            raise RemoteError(_message(json.dumps(obj)))
+            raise RemoteError("The server ended the reply with an error; check its log.", _message(json.dumps(obj)))
         usage = obj.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             rec.completion_tokens = usage["completion_tokens"]
         text = ""
         choices = obj.get("choices") or []
         if not isinstance(choices, list):
-            raise RemoteError("a stream chunk whose choices is not a list")
+            raise RemoteError(_UNREADABLE, "a stream chunk whose choices is not a list")
         for choice in choices:
             delta = choice.get("delta") if isinstance(choice, dict) else None
             content = delta.get("content") if isinstance(delta, dict) else None
             if not isinstance(choice, dict) or not isinstance(delta or {}, dict) or \
                     not isinstance(content, (str, type(None))):
-                raise RemoteError("a stream chunk not shaped as OpenAI's (choices[].delta.content)")
+                raise RemoteError(_UNREADABLE, "a stream chunk not shaped as OpenAI's (choices[].delta.content)")
             text += content or ""
             if choice.get("finish_reason"):
                 rec.finish_reason = str(choice["finish_reason"])
@@ -281,13 +288,17 @@ class RemoteClient:
 
 
 def _message(text: str) -> str:
-    """The ``error.message`` of an OpenAI-style error body, else the text's start."""
+    """The ``error.message`` of an OpenAI-style error body (or the top-level ``message`` of vLLM's older one),
+    else the text's start."""
     with contextlib.suppress(ValueError, AttributeError, TypeError):
-        err = json.loads(text).get("error")
+        body = json.loads(text)
+        err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
         if isinstance(err, str):
             return err
+        if isinstance(body.get("message"), str):
+            return body["message"]
     return text.strip()[:300]
 
 

@@ -12,16 +12,18 @@ Colours come from :mod:`ui.palette`: a request's colour (its light shade while q
 from __future__ import annotations
 
 import html
+import textwrap
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
 
 from ui.palette import IDLE_COLOR, PALETTE, light_shade
-from ui.remote_client import RequestRecord
-from ui.remote_kv import BlockRecord
-from ui.remote_metrics import EngineCounters, Histogram, ScrapeResult
+from ui.remote.client import RequestRecord
+from ui.remote.kv import BlockRecord
+from ui.remote.metrics import EngineCounters, Histogram, ScrapeResult
 
 LAG_NOTE = ("Read from each server's /metrics about once a second. Running/waiting gauges lag by seconds (the "
             "server samples them); latencies are the server's histograms: p50 over the last 30 s of scrapes, and "
@@ -54,38 +56,43 @@ def _latency(recent: Histogram | None, lifetime: Histogram | None) -> str:
     return f"{p50} · {_ms(lifetime, None)}"
 
 
-COUNTER_COLUMNS = ("server", "engine", "running", "waiting", "KV used", "prefix hit", "preempt.", "gen tok/s",
-                   "gen tokens", "prompt tokens", "TTFT p50 · mean", "ITL p50 · mean", "KV blocks")
+COUNTER_ROWS = ("running", "waiting", "KV used", "prefix hit", "preempt.", "gen tok/s", "gen tokens", "prompt tokens",
+                "TTFT p50 · mean", "ITL p50 · mean", "KV blocks")
 
 
-def _row(e: EngineCounters) -> list[str]:
+def _column(e: EngineCounters) -> list[str]:
+    """One engine's values, in :data:`COUNTER_ROWS` order."""
     blocks = "-" if e.num_gpu_blocks is None else (
         f"{e.num_gpu_blocks:,} x {e.block_size}" if e.block_size else f"{e.num_gpu_blocks:,}")
-    engine = e.engine or "-"
-    return [f"{e.url} ({e.dialect})", engine, _fmt(e.running), _fmt(e.waiting), _fmt(e.kv_usage, "{:.1f}%", 100),
-            _fmt(e.hit_rate, "{:.1f}%", 100), _fmt(e.preemptions), _fmt(e.gen_throughput, "{:,.1f}"),
-            _fmt(e.generation_tokens), _fmt(e.prompt_tokens), _latency(e.ttft_recent, e.ttft),
-            _latency(e.itl_recent, e.itl), blocks]
+    return [_fmt(e.running), _fmt(e.waiting), _fmt(e.kv_usage, "{:.1f}%", 100), _fmt(e.hit_rate, "{:.1f}%", 100),
+            _fmt(e.preemptions), _fmt(e.gen_throughput, "{:,.1f}"), _fmt(e.generation_tokens),
+            _fmt(e.prompt_tokens), _latency(e.ttft_recent, e.ttft), _latency(e.itl_recent, e.itl), blocks]
 
 
 def counters_html(results: Sequence[ScrapeResult]) -> str:
-    """The counters table: one row per engine of each server, one row per server that failed (its error).
+    """The counters table: one column per engine of each server (its URL, dialect and engine label on top),
+    one row per counter, so that the table stays narrow for the usual one to four engines; a server that
+    failed gets a line under the table with its error (what probably happened first).
 
     Args:
-        results: the latest :meth:`ui.remote_metrics.MetricsScraper.scrape` results.
+        results: the latest :meth:`ui.remote.metrics.MetricsScraper.scrape` results.
     """
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in COUNTER_COLUMNS)
-    rows = []
-    for res in results:
-        if res.error and not res.engines:
-            rows.append(f'<tr class="cbp-error"><td>{html.escape(res.url)}</td>'
-                        f'<td colspan="{len(COUNTER_COLUMNS) - 1}">not read: {html.escape(res.error)}</td></tr>')
-        for e in res.engines:
-            rows.append("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in _row(e)) + "</tr>")
-    if not rows:
-        rows.append(f'<tr><td colspan="{len(COUNTER_COLUMNS)}">not scraped yet</td></tr>')
-    return (f'<div style="overflow-x:auto"><table id="remote-counters" class="cbp-remote-table"><thead><tr>{head}'
-            f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+    engines = [e for res in results for e in res.engines]
+    errors = [f'<div class="cbp-error">{html.escape(res.url)}: not read: {html.escape(res.error)}</div>'
+              for res in results if res.error and not res.engines]
+    if engines:
+        head = "<th></th>" + "".join(
+            f'<th>{html.escape(e.url)} ({html.escape(e.dialect)})'
+            f'{"<br>engine " + html.escape(e.engine) if e.engine else ""}</th>' for e in engines)
+        columns = [_column(e) for e in engines]
+        rows = "".join(f"<tr><th>{html.escape(name)}</th>" + "".join(f"<td>{html.escape(c[i])}</td>" for c in columns)
+                       + "</tr>" for i, name in enumerate(COUNTER_ROWS))
+        table = (f'<table id="remote-counters" class="cbp-remote-table"><thead><tr>{head}</tr></thead>'
+                 f"<tbody>{rows}</tbody></table>")
+    else:
+        table = '<table id="remote-counters" class="cbp-remote-table"><tbody><tr><td>' + (
+            "no server read" if errors else "not scraped yet") + "</td></tr></tbody></table>"
+    return (f'<div class="cbp-counters-box">{table}</div>{"".join(errors)}'
             f'<div class="cbp-note">{html.escape(LAG_NOTE)}</div>')
 
 
@@ -99,7 +106,7 @@ def timeline_figure(records: Sequence[RequestRecord], now: float, window_s: floa
     """This page's requests over the last ``window_s`` seconds (x: seconds before ``now``, client clock).
 
     Args:
-        records: the request log (:meth:`ui.remote_client.RequestLog.records`).
+        records: the request log (:meth:`ui.remote.client.RequestLog.records`).
         now: the figure's right edge (seconds since the epoch).
         window_s: seconds shown.
         max_rows: most requests drawn (the newest).
@@ -186,39 +193,50 @@ def chain_order(records: Sequence[BlockRecord]) -> list[BlockRecord]:
     return out
 
 
+def _annotation_text(text: str, width: int = 64) -> str:
+    """``text`` for a Plotly annotation: wrapped into lines of about ``width`` characters (``<br>``), with no
+    HTML escaping (Plotly shows entities such as ``&quot;`` as they are) and angle brackets replaced."""
+    text = text.replace("<", "‹").replace(">", "›")
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
+
+
 def kv_map_figure(records: Sequence[BlockRecord], now: float | None = None, max_rows: int = 1500,
-                  height: int = 420, off_reason: str | None = None) -> go.Figure:
+                  height: int = 420, off_reason: str | None = None, stale: Collection[str] = ()) -> go.Figure:
     """The KV map: one row per block hash (grouped by prefix chain), a line from its latest store to its removal
     (or to now), a faint line back to its first store when it was stored again; removed blocks grey, blocks
-    stored again after a removal orange (x: seconds before the newest event, publisher's clock).
+    stored again after a removal orange, blocks of a publisher whose server does not answer grey and dotted
+    (as last seen). x: seconds before now, as the request timeline (the events' times are the publisher's clock).
 
     Args:
-        records: :meth:`ui.remote_kv.KVMap.records`.
-        now: the right edge (publisher time, seconds since the epoch; default: the newest event).
+        records: :meth:`ui.remote.kv.KVMap.records`.
+        now: the right edge (seconds since the epoch; default: ``time.time()``).
         max_rows: most blocks drawn (the most recently stored).
         height: figure height in pixels.
-        off_reason: when given, an empty figure saying the map is off and why.
+        off_reason: when given, an empty figure saying the map is off and why (wrapped over several lines).
+        stale: sources (subscriber labels) whose server's ``/metrics`` fails: their blocks are drawn greyed.
     """
     layout: dict[str, Any] = dict(height=height, margin=dict(MARGIN, l=60), plot_bgcolor="white", uirevision="remote-kv",
                   legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
-                  xaxis={"title": {"text": "seconds before the newest KV event (publisher clock)"},
+                  xaxis={"title": {"text": "seconds before now (event times: the publisher's clock)"},
                          "gridcolor": "#eee", "zeroline": False},
                   yaxis={"title": {"text": "block hashes, by prefix chain"}, "showticklabels": False,
                          "showgrid": False, "zeroline": False})
     if off_reason is not None or not records:
-        layout["annotations"] = [{"text": html.escape(off_reason or "no KV event received yet"), "showarrow": False,
-                                  "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5,
-                                  "font": {"color": "#555"}}]
+        layout["annotations"] = [{"text": _annotation_text(off_reason or "no KV event received yet"),
+                                  "showarrow": False, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5,
+                                  "align": "left", "font": {"color": "#555"}}]
         layout["xaxis"] = {**layout["xaxis"], "visible": off_reason is None}
         layout["yaxis"] = {**layout["yaxis"], "visible": off_reason is None}
         return _figure([], layout)
     recent = sorted(records, key=lambda r: r.stored)[-max_rows:]
     rows = chain_order(recent)
-    edge = now if now is not None else max(max(r.stored, r.removed or 0.0) for r in rows)
-    lines: dict[str, tuple[list, list]] = {k: ([], []) for k in ("live", "removed", "again", "before")}
+    edge = time.time() if now is None else now
+    lines: dict[str, tuple[list, list]] = {k: ([], []) for k in ("live", "removed", "again", "before", "stale")}
     pts_x, pts_y, pts_col, hover = [], [], [], []
     for y, r in enumerate(rows):
         kind = "removed" if r.removed is not None else ("again" if r.stored_again else "live")
+        if r.source in stale and r.removed is None:
+            kind = "stale"
         end = (r.removed if r.removed is not None else edge) - edge
         xs, ys = lines[kind]
         xs += [r.stored - edge, end, None]
@@ -229,39 +247,84 @@ def kv_map_figure(records: Sequence[BlockRecord], now: float | None = None, max_
             by += [y, y, None]
         pts_x.append(r.stored - edge)
         pts_y.append(y)
-        pts_col.append({"live": LIVE_COLOR, "again": AGAIN_COLOR, "removed": IDLE_COLOR}[kind])
+        pts_col.append({"live": LIVE_COLOR, "again": AGAIN_COLOR}.get(kind, IDLE_COLOR))
         parent = "none (first block)" if r.parent is None else f"{r.parent & 0xFFFFFFFFFFFFFFFF:016x}"
         hover.append(f"hash {r.block_hash & 0xFFFFFFFFFFFFFFFF:016x}<br>parent {parent}<br>chain position "
                      f"{r.depth}{'' if r.rooted else ' (the chain began before the events seen)'}<br>stored {r.store_count}x"
                      f"{f', again after removal {r.stored_again}x' if r.stored_again else ''}<br>"
                      f"{'removed' if r.removed is not None else 'stored'} · {html.escape(r.source)}"
-                     f"{' · ' + r.medium if r.medium else ''}")
+                     f"{' · ' + r.medium if r.medium else ''}"
+                     f"{' · its server does not answer: as last seen' if kind == 'stale' else ''}")
     traces: list[dict] = []
-    for kind, name, color, width in (("before", "earlier store (stored again)", light_shade(AGAIN_COLOR), 1),
-                                     ("live", "stored", LIVE_COLOR, 2), ("again", "stored again after removal",
-                                                                         AGAIN_COLOR, 2),
-                                     ("removed", "removed", IDLE_COLOR, 2)):
+    for kind, name, color, width, dash in (
+            ("before", "earlier store (stored again)", light_shade(AGAIN_COLOR), 1, "solid"),
+            ("live", "stored", LIVE_COLOR, 2, "solid"), ("again", "stored again after removal", AGAIN_COLOR, 2, "solid"),
+            ("removed", "removed", IDLE_COLOR, 2, "solid"),
+            ("stale", "server not answering (as last seen)", light_shade(IDLE_COLOR), 2, "dot")):
         xs, ys = lines[kind]
         traces.append(dict(type="scatter", mode="lines", x=xs, y=ys, name=name, hoverinfo="skip",
-                           line={"color": color, "width": width}, showlegend=bool(xs)))
+                           line={"color": color, "width": width, "dash": dash}, showlegend=bool(xs)))
     traces.append(dict(type="scatter", mode="markers", x=pts_x, y=pts_y, name="stored at", showlegend=False,
                        marker={"size": 4, "color": pts_col}, hovertext=hover, hoverinfo="text"))
     layout["yaxis"] = {**layout["yaxis"], "range": [len(rows) - 0.5, -0.5]}
     return _figure(traces, layout)
 
 
-def kv_summary(summary: dict[str, int], sources: Sequence[str], errors: Sequence[str], block_size: int | None,
-               not_exposed: str) -> str:
-    """The KV map's caption (markdown): blocks now, totals, replay and gap counts, publishers, errors, and what the
-    events do not expose (``not_exposed``)."""
+SILENT_AFTER_S = 30.0  # a publisher that sent nothing for this long since the subscriber started is suspect
+
+
+def publisher_lines(subscribers: Sequence[Any], server_errors: Mapping[str, str | None], now: float | None = None,
+                    silent_after_s: float = SILENT_AFTER_S) -> tuple[list[str], set[str]]:
+    """Each KV publisher's liveness, one markdown line each, and the labels of those greyed.
+
+    A line says when its latest event came ("last event 12 s ago"), that none has come yet, or, after
+    ``silent_after_s`` seconds without any, "nothing received: check --kv-events-url"; a subscriber's error is
+    shown after a sentence. A publisher whose server's ``/metrics`` fails (``server_errors[label]``) is greyed
+    (HTML class ``cbp-stale``) with that reason: what the map shows of it is as last seen.
+
+    Args:
+        subscribers: :class:`ui.remote.kv.KVSubscriber` (``endpoint``, ``label``, ``error``, ``started_at``,
+            ``last_message_at``).
+        server_errors: subscriber label -> the error of its server's latest scrape (None: it answered or unknown).
+        now: ``time.time()`` (default: now).
+        silent_after_s: seconds without any event after which the endpoint is questioned.
+    """
+    now = time.time() if now is None else now
+    lines, stale = [], set()
+    for sub in subscribers:
+        name = f"`{sub.endpoint}`"
+        if sub.error:
+            line = (f"⚠️ {name}: the KV event subscriber stopped or a message failed: check --kv-events-url "
+                    f"({sub.error})")
+        elif sub.last_message_at is not None:
+            line = f"{name}: last event {max(0.0, now - sub.last_message_at):,.0f} s ago"
+        else:
+            waited = max(0.0, now - (sub.started_at or now))
+            line = (f"{name}: nothing received in {waited:,.0f} s: check --kv-events-url (the server's "
+                    "--kv-events-config endpoint; vLLM publishes only with prefix caching on)"
+                    if waited >= silent_after_s else f"{name}: no event yet ({waited:,.0f} s)")
+        reason = server_errors.get(sub.label)
+        if reason:
+            stale.add(sub.label)
+            line = (f'<span class="cbp-stale">{line} · its server\'s /metrics fails, so what the map shows of it '
+                    f"is as last seen: {html.escape(reason)}</span>")
+        lines.append(line)
+    return lines, stale
+
+
+def kv_summary(summary: dict[str, int], publishers: Sequence[str], block_size: int | None, not_exposed: str,
+               as_last_seen: bool = False) -> str:
+    """The KV map's caption (markdown): blocks now ("as last seen" when no publisher's server answers), totals,
+    replay and gap counts, one liveness line per publisher (:func:`publisher_lines`), and what the events do not
+    expose (``not_exposed``)."""
     s = summary
-    lines = [f"**{s['live']:,}** blocks stored now · {s['removed']:,} removed (remembered) · "
-             f"{s['stored_again']:,} stored again after removal · {s['chains']:,} prefix chains · "
-             f"block size {block_size or '?'} tokens",
+    lines = [f"**{s['live']:,}** blocks stored {'as last seen' if as_last_seen else 'now'} · {s['removed']:,} "
+             f"removed (remembered) · {s['stored_again']:,} stored again after removal · {s['chains']:,} prefix "
+             f"chains · block size {block_size or '?'} tokens",
              f"since start: {s['total_batches']:,} batches, {s['total_stored']:,} stores, {s['total_removed']:,} "
              f"removals, {s['total_cleared']} cache clears · {s['total_gaps']} sequence gaps, "
              f"{s['total_replayed']} messages replayed, {s['total_lost']} lost · {s['total_dropped']:,} old hashes "
-             f"forgotten · publishers: {', '.join(sources) or 'none yet'}"]
-    lines += [f"⚠️ {e}" for e in errors]
+             f"forgotten"]
+    lines += list(publishers)
     lines.append(f"_{not_exposed}._")
     return "\n\n".join(lines)

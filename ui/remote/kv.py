@@ -244,6 +244,8 @@ class KVSubscriber:
     Attributes:
         last_seq: the last sequence number applied (-1 before the first message).
         error: the last error in the thread (one line), None when none.
+        started_at: when the thread was started (``time.time()`` seconds; None before).
+        last_message_at: when the latest message came, live or replayed (``time.time()``; None: none yet).
     """
 
     def __init__(self, endpoint: str, kv_map: KVMap, replay_endpoint: str | None = None, topic: str = "",
@@ -261,6 +263,8 @@ class KVSubscriber:
         self._skip_until = 0.0
         self._replay_off_until = 0.0  # no replay request before this (monotonic seconds): it did not answer
         self.error: str | None = None
+        self.started_at: float | None = None
+        self.last_message_at: float | None = None
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-sub {endpoint}", daemon=True)
@@ -268,6 +272,7 @@ class KVSubscriber:
 
     def start(self) -> KVSubscriber:
         """Start the thread (it connects; the publisher need not be up yet). Returns ``self``."""
+        self.started_at = time.time()
         self._thread.start()
         return self
 
@@ -322,6 +327,7 @@ class KVSubscriber:
                 replay.close(0)
 
     def _on_message(self, frames: list[bytes], replay: zmq.Socket | None) -> None:
+        self.last_message_at = time.time()
         if len(frames) < 2 or len(frames[-2]) != 8:  # [topic,] 8-byte sequence number, payload
             self.kv_map.totals.bad += 1
             return
@@ -353,6 +359,8 @@ class KVSubscriber:
             self.kv_map.totals.lost += min((end - start) - len(got), 1 << 20)  # (a wild jump counts once)
 
     def _apply_all(self, got: dict[int, bytes]) -> None:
+        if got:
+            self.last_message_at = time.time()
         for seq in sorted(got):
             self._apply(got[seq])
         self.kv_map.totals.replayed += len(got)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ui.remote.errors import from_exception, from_status, technical
+
 DIALECTS = ("vllm", "sglang", "cbp")
 MAX_METRICS_BYTES = 16 * 1024 * 1024  # one server's /metrics text (vLLM's is tens of KB)
 MAX_ENGINES = 256  # rows kept per server
@@ -234,7 +236,7 @@ def parse_metrics(text: str, url: str = "", scraped_at: float | None = None) -> 
 @dataclass
 class ScrapeResult:
     """One server's scrape: its ``url``, the engines read (``engines``) and ``error`` (None when it worked:
-    a connection error, an HTTP status or a parse error, in one line)."""
+    a connection error, an HTTP status or a parse error, in one line, what probably happened first)."""
 
     url: str
     engines: list[EngineCounters]
@@ -298,7 +300,8 @@ class MetricsScraper:
             deadline = time.monotonic() + self.timeout
             chunks, size = [], 0
             with self._client.stream("GET", metrics_url(url)) as r:
-                r.raise_for_status()
+                if r.status_code != 200:
+                    return ScrapeResult(url, [], str(from_status(r.status_code, "", "/metrics")))
                 for chunk in r.iter_bytes():
                     size += len(chunk)
                     if size > MAX_METRICS_BYTES:
@@ -308,9 +311,10 @@ class MetricsScraper:
                     chunks.append(chunk)
             engines = parse_metrics(b"".join(chunks).decode("utf-8", "replace"), url)[:MAX_ENGINES]
             return ScrapeResult(url, engines, None if engines else "no vllm:, sglang: or cbp: metrics")
-        except (httpx.HTTPError, ValueError, TimeoutError) as exc:
-            return ScrapeResult(url, [], f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                                if str(exc) else type(exc).__name__)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            return ScrapeResult(url, [], str(from_exception(exc, url)))
+        except ValueError as exc:
+            return ScrapeResult(url, [], f"The server's /metrics could not be read ({technical(exc)})")
 
     def _derive(self, rec: EngineCounters) -> None:
         hist = self._history.setdefault(rec.key, deque())
