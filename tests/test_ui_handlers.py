@@ -272,7 +272,6 @@ def test_app_options_from_command_line_and_environment():
 
 
 async def _until(cond, timeout=10.0):
-    import time
 
     deadline = time.monotonic() + timeout
     while not cond():
@@ -435,51 +434,6 @@ def test_host_key_and_pace_line():
     assert "일시 정지" in pacing_line(eng, None, "ko")
     assert pacing_line(SimpleNamespace(step_count=3, paused=False, min_step_time=0.0, until_condition=None), None, "en") == \
         "▶ Engine running · step 3"
-
-
-def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokenizer):
-    """One channel: a chat learns where its request stands from the outputs of its own stream (no telemetry
-    polling): two chats sent to a paused engine with one batch slot say "Queued: 1 of 2" and "Queued: 2 of
-    2"; after Resume both finish."""
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-
-    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=1), model=tiny_model,
-                                 tokenizer=tokenizer))
-    chat = handlers(eng, poll_s=0.02)
-
-    def polled(request_id):
-        raise AssertionError("the chat polled the telemetry")
-
-    eng.core.telemetry.request_state = polled  # type: ignore[method-assign]
-    eng.pause()
-
-    async def main():
-        titles: dict[str, list[str]] = {"a": [], "b": []}
-
-        async def one(session):
-            async for hist, _box in respond(chat, f"hello from {session}", [], 0.0, 1.0, 4, None, session=session):
-                if isinstance(hist, list):
-                    titles[session].append(hist[-1 if hist[-1].get("metadata") else -2]["metadata"]["title"])
-
-        tasks = [asyncio.create_task(one("a"))]
-        await asyncio.sleep(0.3)
-        tasks.append(asyncio.create_task(one("b")))
-        deadline = time.monotonic() + 30
-        while not any("Queued: 2 of 2" in t for t in titles["b"]) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        eng.resume()
-        await asyncio.gather(*tasks)
-        return titles
-
-    try:
-        titles = asyncio.run(main())
-    finally:
-        eng.shutdown()
-    assert any(t.startswith("⏳ Queued: 1 of ") and "engine paused" in t for t in titles["a"]), titles["a"]
-    assert any(t.startswith("⏳ Queued: 2 of 2") for t in titles["b"]), titles["b"]
-    assert titles["a"][-1].startswith("✓") and titles["b"][-1].startswith("✓")
 
 
 def test_a_cancelled_reply_ends_at_once_even_as_an_output_arrives():

@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from engine import CompletionOutput, RequestOutput
-from tests.test_ui_handlers import SKIP, StubEngine, handlers, req
+from tests.test_ui_handlers import SKIP, StubEngine, handlers, req, respond
 from ui.reply import ChatSettings, ReplyStream, to_messages
 
 MARKERS = ("⚠️", "[stopped]", "too long", "engine fault", "tell me more")
@@ -138,3 +138,48 @@ def test_a_reply_is_plain_state_and_ignores_updates_after_it_ended():
     before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     assert to_messages([*before, *s.messages("⏹ Stopped")]) == before  # the stopped turn, question and all, left out
     assert ChatSettings.from_controls(temperature=0, top_p=1, max_new_tokens=8.0, seed="") == ChatSettings(0.0, 1.0, 8)
+
+
+def test_the_status_line_follows_the_state_its_outputs_carry(tiny_model, tokenizer):
+    """One channel: a chat learns where its request stands from the outputs of its own stream (no telemetry
+    polling): two chats sent to a paused engine with one batch slot say "Queued: 1 of 2" and "Queued: 2 of
+    2"; after Resume both finish."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    eng = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=1), model=tiny_model,
+                                 tokenizer=tokenizer))
+    chat = handlers(eng, poll_s=0.02)
+
+    def polled(request_id):
+        raise AssertionError("the chat polled the telemetry")
+
+    eng.core.telemetry.request_state = polled  # type: ignore[method-assign]
+    eng.pause()
+
+    async def main():
+        titles: dict[str, list[str]] = {"a": [], "b": []}
+
+        async def one(session):
+            async for hist, _box in respond(chat, f"hello from {session}", [], 0.0, 1.0, 4, None, session=session):
+                if isinstance(hist, list):
+                    titles[session].append(hist[-1 if hist[-1].get("metadata") else -2]["metadata"]["title"])
+
+        tasks = [asyncio.create_task(one("a"))]
+        await asyncio.sleep(0.3)
+        tasks.append(asyncio.create_task(one("b")))
+        deadline = time.monotonic() + 30
+        while not any("Queued: 2 of 2" in t for t in titles["b"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        eng.resume()
+        await asyncio.gather(*tasks)
+        return titles
+
+    try:
+        titles = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert any(t.startswith("⏳ Queued: 1 of ") and "engine paused" in t for t in titles["a"]), titles["a"]
+    assert any(t.startswith("⏳ Queued: 2 of 2") for t in titles["b"]), titles["b"]
+    assert titles["a"][-1].startswith("✓") and titles["b"][-1].startswith("✓")
