@@ -88,7 +88,7 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
         _wait_chat(page, "Queued: 1 of 1")
         assert "engine paused" in _chat_text(page)
         assert page.locator("#send").is_disabled()
-        rid = wait(lambda: [r for ids in chat.active._by_session.values() for r in ids])[0]
+        rid = wait(lambda: [s.request_id for s in chat.replies.values() if not s.ended])[0]
         before = engine.step_count
         for k in (1, 2, 3):  # one press, one engine step
             page.click("#step")
@@ -137,7 +137,7 @@ def test_double_click_on_send_starts_one_request(talk):
         page.wait_for_selector("text=A reply is still streaming")
         assert page.input_value("#msg textarea") == "And another one."  # the text stays in the box
         time.sleep(1.0)
-        ids = [r for ids in chat.active._by_session.values() for r in ids]
+        ids = [s.request_id for s in chat.replies.values() if not s.ended]
         assert len(ids) == 1, f"hidden requests: {ids}"
         assert wait(lambda: [r for r in engine.telemetry.queue if r.startswith("chat-")] == ids)
         page.click("#stop")  # stopped while paused: the status says so and the queue is empty again

@@ -71,7 +71,7 @@ def header_markdown(client: RemoteClient, state: BackendState, metrics_urls: Seq
     """The page's header: where chats go and with which model (as the server lists it now), which servers are
     scraped, where KV events come from."""
     kv = ", ".join(f"`{u}`" for u in kv_urls) or "none"
-    model = f"model `{client.model}`" if client.model else "its model not known yet (it has not listed it)"
+    model = f"model `{client.model}`" if client.model else "model not known yet: the server has not listed it"
     return ("# Continuous Batching Playground: remote mode\n\n"
             f"Chats and the load generator go to `{client.base_url}` ({model}), streamed; Stop closes the stream "
             f"(the server aborts the request). Metrics from: {', '.join(f'`{u}`' for u in metrics_urls)}. "
