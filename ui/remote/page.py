@@ -66,10 +66,9 @@ def kv_servers(endpoints: Sequence[str], urls: Sequence[str]) -> list[str | None
     return out
 
 
-def header_markdown(client: RemoteClient, state: BackendState, metrics_urls: Sequence[str],
-                    kv_urls: Sequence[str]) -> str:
-    """The page's header: where chats go and with which model (as the server lists it now), which servers are
-    scraped, where KV events come from."""
+def header_markdown(client: RemoteClient, metrics_urls: Sequence[str], kv_urls: Sequence[str]) -> str:
+    """The page's header: where chats go and with which model (as the server lists it now, or the one given),
+    which servers are scraped, where KV events come from."""
     kv = ", ".join(f"`{u}`" for u in kv_urls) or "none"
     model = f"model `{client.model}`" if client.model else "model not known yet: the server has not listed it"
     return ("# Continuous Batching Playground: remote mode\n\n"
@@ -211,8 +210,7 @@ class RemoteHandlers:
 
     def header(self) -> str:
         """The header as the backend stands now."""
-        return header_markdown(self.client, self.backend.state, self.scraper.urls,
-                               [s.endpoint for s in self.subscribers])
+        return header_markdown(self.client, self.scraper.urls, [s.endpoint for s in self.subscribers])
 
     async def refresh(self) -> tuple[str, Any, str, go.Figure, go.Figure, str, str]:
         """Everything the timer redraws: header, notice (hidden when empty), counters (HTML), request timeline,
