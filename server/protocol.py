@@ -15,10 +15,10 @@ checks that turn a request body into engine inputs before the engine allocates a
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, WithJsonSchema
 
 from engine.errors import RequestError
 from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -117,10 +117,26 @@ class SamplingFields(BaseModel):
     return_token_ids: StrictBool | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    """Body of ``POST /v1/chat/completions``."""
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": list(CHAT_ROLES)}, "name": {"type": "string"},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _TOKEN_IDS,
+                            {"type": "array", "maxItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}]}
 
-    messages: Any = None  # checked by hand for clear messages
+
+class ChatCompletionRequest(SamplingFields):
+    """Body of ``POST /v1/chat/completions``.
+
+    ``special_tokens_in_messages`` (ours): true reads special-token strings typed in the messages
+    (``<|im_end|>``...) as control tokens, as a plain render of the chat template would, so the request may
+    forge turns of its own conversation; false (the server's default unless ``--special-tokens-in-messages``)
+    tokenizes every message's text as text: only the template's own markup is special."""
+
+    messages: Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)] = None  # checked by hand for clear messages
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
@@ -128,12 +144,13 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    special_tokens_in_messages: StrictBool | None = None
 
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Any = None  # a string, token ids, or a list holding one of those
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None  # a string, token ids, or a list holding one
     logprobs: StrictInt | None = None
 
 
