@@ -87,9 +87,11 @@ _WHY = {400: "a malformed or refused request (the message and `param` say which 
         429: "the engine is full or this client is past its rate limit (Retry-After)",
         500: "the engine failed this request alone", 503: "the engine is not running"}
 
+# one server-sent event (OpenAPI 3.1: the event stream's schema describes each event): a JSON chunk or [DONE]
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": CompletionResponse, "description": "the completion, or its server-sent events with stream: true",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
     **_errors(400, 404, 413, 415, 429, 500, 503),
 }
 MODEL_RESPONSES: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse, "description": _WHY[404]}}

@@ -18,10 +18,10 @@ import json
 from typing import Annotated, Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, WithJsonSchema
 
 from engine.errors import RequestError
-from engine.request import MAX_LOGPROBS, MAX_N, SamplingParams
+from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
 
@@ -67,6 +67,12 @@ def check_unicode(value, path: str = "body") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
+def _doc(**schema: Any) -> Any:
+    """A field's default (None) whose OpenAPI schema also states ``schema`` (ranges the checks below enforce with
+    their own messages; pydantic does not validate them)."""
+    return Field(None, json_schema_extra=schema)
+
+
 class StreamOptions(BaseModel):
     """``stream_options`` of a streamed request."""
 
@@ -84,30 +90,30 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
     model: str | None = None
-    max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    n: StrictInt | None = None
+    max_tokens: StrictInt | None = _doc(minimum=1)
+    temperature: StrictFloat | None = _doc(minimum=0)
+    top_p: StrictFloat | None = _doc(exclusiveMinimum=0, maximum=1)
+    n: StrictInt | None = _doc(minimum=1, maximum=MAX_N)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    stop: str | list[str] | None = _doc(maxItems=MAX_STOP_STRINGS, minLength=1)
+    seed: StrictInt | None = _doc(minimum=SEED_MIN, maximum=SEED_MAX)
+    presence_penalty: StrictFloat | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: StrictFloat | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     response_format: dict | None = None
     # vLLM's extra fields (``extra_body`` in the openai client)
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
+    top_k: StrictInt | None = _doc(minimum=-1)
+    min_p: StrictFloat | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: StrictFloat | None = _doc(minimum=0.01, maximum=100)
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
     cache_salt: str | None = None
-    min_tokens: StrictInt | None = None
+    min_tokens: StrictInt | None = _doc(minimum=0)
     include_stop_str_in_output: StrictBool | None = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = None
@@ -139,7 +145,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)] = None  # checked by hand for clear messages
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
     # vLLM's chat rendering fields
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
@@ -151,7 +157,7 @@ class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None  # a string, token ids, or a list holding one
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
 
 
 # ---------------------------------------------------------------------------------------------- refused fields
