@@ -374,8 +374,11 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
     limiter = ClientRateLimiter(rate_limit, rate_period) if rate_limit else None
     server = OpenAIServer(engine, model_name, limiter, retry_after, metrics, special_tokens_in_messages)
-    reader = BodyReader(BodyLimits(max_token_ids=max(1, engine.core.input_processor.vocab_size)))
+    vocab = max(1, engine.core.input_processor.vocab_size)
+    reader = BodyReader(BodyLimits(max_values=max(131_072, 2 * vocab + 1024), max_token_ids=vocab,
+                                   max_messages=engine.core.max_model_len))
     app.state.openai_server = server
+    app.state.body_reader = reader
     app.state.metrics = metrics
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
     app.add_middleware(MethodCheck, router_app=app, on_reject=metrics.reject)  # before any body
