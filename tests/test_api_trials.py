@@ -52,9 +52,9 @@ def test_out_of_vocabulary_token_ids(api, body, param):
                                    "repetition_penalty"])
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers(api, field, literal):
-    raw = '{"messages": %s, "max_tokens": 2, "%s": %s}' % (json.dumps(CHAT), field, literal)
+    raw = json.dumps({"messages": CHAT, "max_tokens": 2, field: "LITERAL"}).replace('"LITERAL"', literal)
     _refused(_post(api, "/v1/chat/completions", raw), field)
-    bias = '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": %s}}' % literal
+    bias = json.dumps({"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": "LITERAL"}}).replace('"LITERAL"', literal)
     _refused(_post(api, "/v1/completions", bias), "logit_bias")
 
 
