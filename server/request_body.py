@@ -253,7 +253,7 @@ class BodyReader:
     large body, about a second): decoding a hostile body holds that process's interpreter, never this one's, so
     the event loop goes on serving. A body that passes is bounded by the limits and is read again here, in a
     worker thread (tens of milliseconds for the largest valid bodies). Where no process can be started, or it
-    died, large bodies are read in the worker thread directly.
+    died, large bodies are read in the worker thread directly from then on (a warning says so).
 
     Args:
         limits: the bounds of a body's shape.
@@ -286,7 +286,9 @@ class BodyReader:
             verdict = await asyncio.get_running_loop().run_in_executor(self._checker(), check_body, raw, model,
                                                                        self.limits)
         except (concurrent.futures.process.BrokenProcessPool, OSError, RuntimeError):
-            log.warning("the request body checking process failed; reading large bodies in a thread for now")
+            log.warning("the request body checking process failed (or could not start); large request bodies are "
+                        "read in a worker thread from now on")
+            self.check_in_process = False
             self.close()
             return
         if verdict is not None:
