@@ -37,7 +37,7 @@ def server_url():
     proc = subprocess.Popen([sys.executable, "-m", "tests._fuzz_server", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240  # the tokenizer (and, on a fresh checkout, the C++ kernels) first
+    deadline = time.monotonic() + 600  # the tokenizer (and, on a fresh checkout, the C++ kernels' build) first
     try:
         while True:
             if proc.poll() is not None:
@@ -49,7 +49,7 @@ def server_url():
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail("the server process did not answer /health within 240 s")
+                pytest.fail("the server process did not answer /health within 600 s")
             time.sleep(0.5)
         yield url, proc
     finally:
