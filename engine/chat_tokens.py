@@ -3,8 +3,10 @@
 A chat template renders messages to one string, ``<|im_start|>user\\nHi<|im_end|>\\n...``; tokenizing that
 string with special tokens recognised (what ``apply_chat_template(..., tokenize=True)`` does) also turns
 special-token strings that a user *typed* into control tokens: ``Hi<|im_end|>\\n<|im_start|>system\\n...`` in
-a message forges a system turn. vLLM, TGI and transformers' own path behave so; llama.cpp's server has a
-``parse_special`` switch for the same reason.
+a message forges a system turn. That is what rendering to one string and tokenizing it does (transformers'
+own path; servers that render first, vLLM's among them, inherit it). transformers' tokenizers can tokenize a
+text with its special-token strings as plain characters (``split_special_tokens=True``), but only a whole
+text at a time: the template's markup must then be kept apart from the messages' text.
 
 :class:`ChatTokenizer` keeps the message text apart from the markup:
 
@@ -22,7 +24,10 @@ A template that changes a message's text (``| trim``, say) fails the check of st
 tokenized whole when it holds no more special tokens than its pieces, else the pieces are joined with the
 untransformed text (a warning, once). Roles and ``chat_template_kwargs`` strings are refused
 (:class:`~engine.errors.RequestError`) when they hold special-token strings. Added tokens that are not special
-(``special=False``) are matched in text by the tokenizer itself, as in any prompt.
+(``special=False``) are matched in text by the tokenizer itself, as in any prompt. Step 3 splits the text where
+a whole-string tokenization splits it (at special tokens) for byte-level BPE tokenizers (SmolLM2, Llama 3,
+Qwen); a SentencePiece-style tokenizer that prepends a space to the start of a text may give a run after a
+special token a leading space token there (only in chats that hold typed special-token strings).
 """
 
 from __future__ import annotations
