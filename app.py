@@ -117,9 +117,11 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     if args.num_blocks is None and args.kv_cache_memory is None:
         args.num_blocks = PLAYGROUND_DEFAULTS["num_blocks"]
     from server.kv_publisher import parse_kv_events_config
+    from server.options import cors_settings
 
     try:
         parse_kv_events_config(args.kv_events_config)
+        cors_settings(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -328,7 +330,8 @@ def main_remote(args: argparse.Namespace) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from server.app import resolve_address
+    from server.app import resolve_address, uvicorn_config
+    from server.options import http_limits
 
     app = FastAPI()
     app.include_router(demo.cbp_router)  # the chat's live channel, ahead of the mounted page
@@ -338,8 +341,8 @@ def main_remote(args: argparse.Namespace) -> None:
     host, port = resolve_address(args.host, args.port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     print(f"* Running on http://{shown}:{port}  (remote mode: UI at /; no local model, no API)", flush=True)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5,
-                                  log_level="info" if args.log_level == "debug" else "warning")).run()
+    uvicorn.Server(uvicorn_config(app, host, port, "info" if args.log_level == "debug" else "warning",
+                                  http_limits(args))).run()
 
 
 if __name__ == "__main__":

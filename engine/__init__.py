@@ -17,10 +17,10 @@ nothing else of it (``tests/test_layout.py`` holds them to that). By group:
 - running requests: ``LLM``, ``AsyncEngine``, ``EngineCore``, ``EngineConfig``, ``EngineStats``,
   ``EngineOverloadedError``;
 - requests and their outputs: ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``RequestState``,
-  ``ChatPrompt``, ``TextPrompt``, ``MAX_LOGPROBS``, ``MAX_N``; typed errors ``RequestError`` and the name of
-  the prompt parameter ``PROMPT``;
-- what the engine shows of itself: ``Telemetry``, ``StepSnapshot``, the batch-slot phases ``PHASE_IDLE``,
-  ``PHASE_PREFILL``, ``PHASE_DECODE``; the run-until conditions ``NextHandover``, ``NextBlockReuse``;
+  ``ChatPrompt``, ``TextPrompt``, the limits ``MAX_LOGPROBS``, ``MAX_N``, ``MAX_STOP_STRINGS``,
+  ``SEED_MIN``, ``SEED_MAX``; typed errors ``RequestError`` and the name of the prompt parameter ``PROMPT``;
+- what the engine shows of itself: ``Telemetry``, ``StepSnapshot``, ``FinishedRequestStats``, the batch-slot
+  phases ``PHASE_IDLE``, ``PHASE_PREFILL``, ``PHASE_DECODE``; the run-until conditions ``NextHandover``, ``NextBlockReuse``;
 - KV cache events on the wire (vLLM's format): ``KVFeed``, ``to_vllm_events``, ``WireBatch``,
   ``encode_batch``, ``decode_batch``, ``ENCODINGS``;
 - the option declarations ``Option``, ``add_options`` and the prompt bank's ``synthetic_chat``.
@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time each is im
     from engine.request import (
         MAX_LOGPROBS,
         MAX_N,
+        MAX_STOP_STRINGS,
+        SEED_MAX,
+        SEED_MIN,
         ChatPrompt,
         CompletionOutput,
         RequestOutput,
@@ -53,7 +56,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time each is im
         SamplingParams,
         TextPrompt,
     )
-    from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, StepSnapshot, Telemetry
+    from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, FinishedRequestStats, StepSnapshot, Telemetry
 
 # name -> module; imported on first use, so that light modules (``engine.options``) load without torch
 _EXPORTS = {
@@ -71,10 +74,14 @@ _EXPORTS = {
     "TextPrompt": "engine.request",
     "MAX_LOGPROBS": "engine.request",
     "MAX_N": "engine.request",
+    "MAX_STOP_STRINGS": "engine.request",
+    "SEED_MIN": "engine.request",
+    "SEED_MAX": "engine.request",
     "RequestError": "engine.errors",
     "PROMPT": "engine.errors",
     "Telemetry": "engine.telemetry",
     "StepSnapshot": "engine.telemetry",
+    "FinishedRequestStats": "engine.telemetry",
     "PHASE_IDLE": "engine.telemetry",
     "PHASE_PREFILL": "engine.telemetry",
     "PHASE_DECODE": "engine.telemetry",
@@ -92,10 +99,11 @@ _EXPORTS = {
 }
 __all__ = ["LLM", "AsyncEngine", "EngineOverloadedError", "EngineConfig", "EngineCore", "EngineStats",
            "SamplingParams", "RequestOutput", "CompletionOutput", "RequestState", "ChatPrompt", "TextPrompt",
-           "MAX_LOGPROBS", "MAX_N", "RequestError", "PROMPT", "Telemetry", "StepSnapshot", "PHASE_IDLE",
-           "PHASE_PREFILL", "PHASE_DECODE", "NextHandover", "NextBlockReuse", "KVFeed", "to_vllm_events",
-           "WireBatch", "encode_batch", "decode_batch", "ENCODINGS", "Option", "add_options",
-           "synthetic_chat"]
+           "MAX_LOGPROBS", "MAX_N", "MAX_STOP_STRINGS", "SEED_MIN", "SEED_MAX", "RequestError", "PROMPT",
+           "Telemetry", "StepSnapshot", "FinishedRequestStats", "PHASE_IDLE", "PHASE_PREFILL", "PHASE_DECODE",
+           "NextHandover", "NextBlockReuse", "KVFeed", "to_vllm_events", "WireBatch", "encode_batch",
+           "decode_batch", "ENCODINGS", "Option", "add_options", "synthetic_chat"]
+assert sorted(__all__) == sorted(_EXPORTS)  # one list of names, checked against the lazy-import table
 
 
 def __getattr__(name: str):

@@ -129,6 +129,10 @@ class IncrementalDetokenizer:
     Attributes:
         stop_reason: the stop string that matched, or None.
         finished: True after a stop string matched or :meth:`flush` was called.
+        decoded_chars: characters the tokens fed so far have decoded to, complete characters only (the held
+            tokens' included), before any stop string cut: read before :meth:`update`, the offset in the
+            decoded text at which the new token's text begins (a token that completes a character begins
+            where that character does).
     """
 
     def __init__(
@@ -165,6 +169,8 @@ class IncrementalDetokenizer:
         self._read = len(context)
         self._prefix_text = prefix_text  # decode(self._window[:self._read])
 
+        self.decoded_chars = 0
+        self._emitted_chars = 0  # decoded_chars without the held tokens' complete characters
         self._pending = ""  # text held back because it may begin a stop string
         self._chunks: list[str] = []  # emitted text
         self._text_cache: str | None = ""
@@ -200,8 +206,12 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._window)
         held = len(self._window) - self._read
         if held < MAX_HELD_TOKENS and (new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text)):
-            return "", None  # an incomplete character (or no text yet): wait for the next token
+            # an incomplete character (or no text yet): wait for the next token
+            self.decoded_chars = self._emitted_chars + len(new_text[len(self._prefix_text):].rstrip(_REPLACEMENT))
+            return "", None
         delta = new_text[len(self._prefix_text) :]
+        self._emitted_chars += len(delta)
+        self.decoded_chars = self._emitted_chars
         self._advance()
         return self._emit(delta, final=False, check_stop=check_stop)
 
@@ -220,6 +230,8 @@ class IncrementalDetokenizer:
         if len(self._window) > self._read:
             new_text = self._decode(self._window)
             delta = new_text[len(self._prefix_text) :]
+            self._emitted_chars += len(delta)
+            self.decoded_chars = self._emitted_chars
             self._advance()
         out, _ = self._emit(delta, final=True, check_stop=check_stop)
         self.finished = True

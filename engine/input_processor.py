@@ -8,6 +8,12 @@ vocabulary size and the context length, and asks the scheduler's read-only fit c
 
 Every refusal is a :class:`engine.errors.RequestError` naming the field (``param``) and, for prompts that
 cannot fit, :class:`engine.errors.ContextLengthError`; the server maps these types to its error bodies.
+
+Chat messages (the API's, the page's chats, the Compare and invariance runs: every chat goes through
+:meth:`InputProcessor.tokenize`) are tokenized as text by default: a special-token string typed in a message
+stays text, only the chat template's own markup yields control tokens (:mod:`engine.chat_tokens`;
+``ChatPrompt.special_tokens_in_messages`` restores the plain tokenization of the rendered string). A plain
+string prompt is the caller's whole prompt and is tokenized with special tokens recognised, as vLLM does.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from engine.chat_tokens import ChatTokenizer
 from engine.detokenizer import max_token_chars
 from engine.errors import PROMPT, ContextLengthError, RequestError
 from engine.request import ChatPrompt, Request, SamplingParams, TextPrompt
@@ -56,6 +63,7 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.output_processor = output_processor
         self.check_fit = check_fit
+        self.chat_tokens = ChatTokenizer(tokenizer)
 
     # ------------------------------------------------------------------ prompts
     def tokenize(self, prompt: Any, check_length: bool = True) -> list[int]:
@@ -104,11 +112,14 @@ class InputProcessor:
                                      f"{self.max_model_len} tokens can hold (at most {limit} characters)")
 
     def _render_chat(self, chat: ChatPrompt, check_length: bool = True) -> list[int]:
-        """A chat rendered with the chat template and its flags, then tokenized.
+        """A chat rendered with the chat template and its flags, then tokenized: the messages' text as text unless
+        ``chat.special_tokens_in_messages`` (:mod:`engine.chat_tokens`).
 
         Raises:
             RequestError: malformed messages (``param`` prompt), both continue flags
-                (``continue_final_message``), reserved or failing template arguments (``chat_template_kwargs``).
+                (``continue_final_message``), reserved or failing template arguments (``chat_template_kwargs``),
+                a special-token string in a role or in a template argument (unless
+                ``special_tokens_in_messages``).
             ContextLengthError: contents that cannot fit in the context length.
         """
         messages = chat.messages
@@ -128,13 +139,23 @@ class InputProcessor:
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-        try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs,
+        raw = bool(chat.special_tokens_in_messages)
+        if not raw and self.chat_tokens.holds_special(kwargs):
+            raise RequestError("chat_template_kwargs holds a special-token string (only the template's own markup "
+                               "may; set special_tokens_in_messages to allow it)", "chat_template_kwargs")
+
+        def render(msgs: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, **kwargs,
                                                       add_generation_prompt=bool(chat.add_generation_prompt),
                                                       continue_final_message=bool(chat.continue_final_message))
+
+        try:
+            text = render(list(messages))
         except Exception as e:  # a template error (jinja, a bad variable): this request's fault
             raise RequestError(f"the chat template failed on these messages: {e}", PROMPT) from None
-        return self.tokenizer(text, add_special_tokens=bool(chat.add_special_tokens))["input_ids"]
+        if raw:
+            return self.tokenizer(text, add_special_tokens=bool(chat.add_special_tokens))["input_ids"]
+        return self.chat_tokens.encode_chat(list(messages), text, render, bool(chat.add_special_tokens))
 
     # ------------------------------------------------------------------ requests
     def _check_token_ids(self, params: SamplingParams) -> None:

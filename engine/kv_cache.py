@@ -355,7 +355,8 @@ class KVCacheManager:
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup: its ``num_tokens`` queried, ``num_hit_tokens``
-        found (tokens). No-op without prefix caching."""
+        found (tokens). No-op without prefix caching. The scheduler counts each request once, at its first
+        admission (not again when a preempted request is recomputed)."""
         if self.enable_prefix_caching:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += num_hit_tokens

@@ -48,6 +48,8 @@ class OutputProcessor:
         if detok is None:
             return token_stop
         sp = req.sampling_params
+        if sp.logprobs is not None:  # where this token's text begins in the decoded text (completions' text_offset)
+            req.output_text_offsets.append(detok.decoded_chars)
         check = len(req.output_token_ids) > sp.min_tokens
         if token_stop is not None and token_stop.by_token and not sp.include_stop_str_in_output:
             delta, stop_str = "", None  # no text for the EOS or stop token that ended it
@@ -67,9 +69,11 @@ class OutputProcessor:
         delta, seq.pending_text = seq.pending_text, ""
         seq.output_text += delta
         tokens = list(seq.output_token_ids)
-        logprobs = seq.output_logprobs[:len(tokens)] if seq.sampling_params.logprobs is not None else None
+        logprobs = offsets = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs, offsets = seq.output_logprobs[:len(tokens)], seq.output_text_offsets[:len(tokens)]
         completion = CompletionOutput(seq.index, seq.output_text, tokens, delta, seq.status.finish_reason,
-                                      seq.stop_reason, logprobs)
+                                      seq.stop_reason, logprobs, offsets)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,

@@ -201,6 +201,10 @@ class ChatPrompt:
             together with ``add_generation_prompt``.
         add_special_tokens: let the tokenizer add its special tokens (BOS...) on top of the template's.
         chat_template_kwargs: extra variables for the template.
+        special_tokens_in_messages: read special-token strings in the messages' text (``<|im_end|>``...) as the
+            control tokens they name, as a plain render would (a user may then forge turns, a system message
+            included); False (the default): the messages' text is tokenized as text, only the template's own
+            markup yields special tokens (see :mod:`engine.chat_tokens`).
     """
 
     messages: list[dict[str, str]]
@@ -208,6 +212,7 @@ class ChatPrompt:
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    special_tokens_in_messages: bool = False
 
 
 @dataclass
@@ -274,6 +279,7 @@ class Request:
         self.output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.detokenizer = None  # IncrementalDetokenizer (engine core)
         self.output_text = ""  # text emitted so far (stop strings removed)
+        self.output_text_offsets: list[int] = []  # with logprobs: where each token's text begins (characters)
         self.pending_text = ""  # text produced since the last RequestOutput
         self.cache_salt: str | None = None  # keeps prefix-cache entries apart (per session)
         # parallel sampling (n > 1): the user-facing id, this sequence's completion index, and, on the
@@ -334,6 +340,10 @@ class CompletionOutput:
         stop_reason: the stop string or stop token id that ended it (None for EOS, length, ...).
         logprobs: when the request asked for them, one ``(token_id, logprob, top)`` per token of
             ``token_ids`` (``top``: the best ``(token_id, logprob)`` pairs, most likely first), else None.
+        text_offsets: with ``logprobs``, one per token of ``token_ids``: the character offset in the decoded text
+            at which the token's text begins (a token that only begins a character shares the offset of the
+            token that completes it; the tokens of a stop string that was cut off point at or past the end of
+            ``text``), else None.
     """
 
     index: int
@@ -343,6 +353,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    text_offsets: list[int] | None = None
 
 
 @dataclass(frozen=True)

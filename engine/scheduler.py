@@ -255,8 +255,8 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=max(0, lookahead)) is None:
                 break
             self.waiting.popleft()
-            if req.num_computed_tokens == 0:
-                self.kv.record_prefix_lookup(req, num_hit)
+            if req.num_computed_tokens == 0 and req.num_preemptions == 0:  # once per request: a recompute
+                self.kv.record_prefix_lookup(req, num_hit)  # finds its own blocks again, which is no cache hit
             req.num_computed_tokens += num_hit
             req.num_hit_blocks = len(hits)
             req.status = RequestStatus.RUNNING

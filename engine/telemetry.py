@@ -10,20 +10,27 @@ runs). The per-block fields (``block_refcount`` ... ``block_origins``, O(num_blo
 the snapshot only for pools up to :attr:`Telemetry.eager_block_limit` blocks (talks: the snapshot is
 self-contained, as before); for larger pools they are rebuilt on first read from the telemetry's
 :class:`engine.kv_events.KVHistory` (replay of the events), while the step is in the ring.
+
+Counters are counted when they happen, never rebuilt from the rings: totals per step in :meth:`Telemetry.record`,
+per finished request in :meth:`Telemetry.record_finished`, which also hands each record to the listeners of
+:meth:`Telemetry.on_finished` (the Prometheus metrics), so they see every request whatever the finish rate.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from engine.kv_events import BlockArrays, KVFeed, KVHistory, owner_array
+
+log = logging.getLogger(__name__)
 
 PHASE_IDLE = "idle"
 PHASE_PREFILL = "prefill"
@@ -288,6 +295,7 @@ class Telemetry:
     kv_history: KVHistory = field(init=False)
     # every step since the start by its scheduled tokens (tokens -> steps): vLLM's iteration_tokens histogram
     step_tokens: collections.Counter = field(init=False, default_factory=collections.Counter)
+    _finish_listeners: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
@@ -358,11 +366,25 @@ class Telemetry:
         return last.request_state(request_id) if last is not None else None
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
-        """Append the latency record of a finished request (engine thread)."""
+        """Append the latency record of a finished request and hand it to each :meth:`on_finished` listener
+        (engine thread; a listener that raises is logged and skipped)."""
         with self._lock:
             self._finished.append(stats)
             self.total_finished += 1
             self.total_prompt_tokens += stats.num_prompt_tokens
+            listeners = tuple(self._finish_listeners)
+        for listener in listeners:
+            try:
+                listener(stats)
+            except Exception:
+                log.exception("a finished-request listener failed")
+
+    def on_finished(self, listener: Callable[[FinishedRequestStats], None]) -> list[FinishedRequestStats]:
+        """Call ``listener(record)`` with every request record finished from now on (on the engine thread: keep
+        it cheap), and return the records kept so far; together they hold each record exactly once."""
+        with self._lock:
+            self._finish_listeners.append(listener)
+            return list(self._finished)
 
     def step_token_counts(self) -> dict[int, int]:
         """Every step since the start by its scheduled tokens: ``{tokens: steps}`` (a copy)."""

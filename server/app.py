@@ -3,8 +3,10 @@ given, a Gradio app (``/``), run by uvicorn.
 
 ``build_server`` adds the API routes first, then mounts the Gradio app at ``/`` (a catch-all mount, so
 it must come last); ``serve`` runs the result; ``ServerThread`` runs it in a background thread (tests,
-notebooks). The module knows nothing of the playground's page: its Gradio look (css, translations,
-footer) comes in as ``mount_kwargs`` (``ui.layout.mount_kwargs(demo)`` in ``app.py``).
+notebooks). Both run uvicorn through :func:`uvicorn_config`: its httptools protocol with the HTTP limits of
+:mod:`server.http_edge` (``app.state.http_limits``, set by ``build_server``). The module knows nothing of the
+playground's page: its Gradio look (css, translations, footer) comes in as ``mount_kwargs``
+(``ui.layout.mount_kwargs(demo)`` in ``app.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine import AsyncEngine
+from server.http_edge import HTTPLimits, protocol_class
 from server.http_guards import DEFAULT_MAX_BODY_BYTES
 from server.kv_publisher import KVEventPublisher, KVEventsConfig, binds, parse_kv_events_config
 from server.openai_api import create_api
+from server.options import CORSSettings
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
@@ -35,7 +39,8 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
                  rate_limit: int | None = None, rate_period: float = 1.0, retry_after: int = 1,
                  queue_size: int | None = None, mount_kwargs: dict[str, Any] | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 kv_events_config: str | KVEventsConfig | None = None) -> FastAPI:
+                 kv_events_config: str | KVEventsConfig | None = None, http_limits: HTTPLimits | None = None,
+                 cors: CORSSettings | None = None, special_tokens_in_messages: bool = False) -> FastAPI:
     """The FastAPI app serving the API and, at ``/``, the Gradio ``demo``.
 
     Args:
@@ -54,6 +59,10 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
         kv_events_config: vLLM's ``--kv-events-config`` JSON (or its parsed form): when enabled, the engine's KV
             cache events are published over ZMQ in vLLM's format (:mod:`server.kv_publisher`); the
             publisher is ``app.state.kv_publisher`` (None when off).
+        http_limits: the HTTP limits :func:`serve` enforces (``app.state.http_limits``; None: the defaults).
+        cors: which other origins may read the API (None: none); see :func:`server.openai_api.create_api`.
+        special_tokens_in_messages: the default of the chat requests' ``special_tokens_in_messages`` (see
+            :func:`server.openai_api.create_api`).
 
     Raises:
         ValueError: ``kv_events_config`` does not parse (:func:`server.kv_publisher.parse_kv_events_config`).
@@ -62,7 +71,9 @@ def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, 
     if max_pending is not None:
         engine.max_pending = max_pending
     app = create_api(engine, model_name, rate_limit=rate_limit, rate_period=rate_period, retry_after=retry_after,
-                     max_body_bytes=max_request_body_bytes)
+                     max_body_bytes=max_request_body_bytes, cors=cors,
+                     special_tokens_in_messages=special_tokens_in_messages)
+    app.state.http_limits = http_limits or HTTPLimits()
     app.state.kv_publisher = start_kv_publisher(engine, kv_events_config)
     if demo is not None:
         import gradio as gr
@@ -116,9 +127,22 @@ def resolve_address(host: str | None = None, port: int | None = None) -> tuple[s
     return host, port
 
 
+def uvicorn_config(app, host: str, port: int, log_level: str, limits: HTTPLimits | None = None,
+                   timeout_graceful_shutdown: int = 5) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: its httptools protocol bound to ``limits`` (None: ``app.state.http_limits``,
+    else the defaults; :mod:`server.http_edge`) and their keep-alive timeout."""
+    if limits is None:
+        state = getattr(app, "state", None)
+        limits = getattr(state, "http_limits", None) or HTTPLimits()
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol_class(limits),
+                          timeout_keep_alive=limits.timeout_keep_alive,
+                          timeout_graceful_shutdown=timeout_graceful_shutdown)
+
+
 def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted (Ctrl-C). Address: see :func:`resolve_address`. The objects
-    alive at the call are frozen out of the cyclic garbage collector (``gc.freeze``)."""
+    """Run ``app`` with uvicorn until interrupted (Ctrl-C), with the HTTP limits of :func:`uvicorn_config`.
+    Address: see :func:`resolve_address`. The objects alive at the call are frozen out of the cyclic garbage
+    collector (``gc.freeze``)."""
     host, port = resolve_address(host, port)
     # What is alive now (model, engine, page: about 500,000 objects for the playground) lives as long as
     # the process: collect the start's garbage, then freeze the rest out of the cyclic collector's sight,
@@ -128,20 +152,20 @@ def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_le
     gc.freeze()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     print(f"* Running on http://{shown}:{port}  (UI at /, OpenAI API at /v1, metrics at /metrics)", flush=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
 
 
 class ServerThread:
-    """``app`` served by uvicorn in a daemon thread (tests, notebooks); ``port=0`` picks a free port.
+    """``app`` served by uvicorn in a daemon thread (tests, notebooks); ``port=0`` picks a free port; the HTTP
+    limits are ``limits``, else those of :func:`uvicorn_config`.
 
     Attributes:
         url: ``http://host:port`` once :meth:`start` returned.
     """
 
-    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning") -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=2))
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0, log_level: str = "warning",
+                 limits: HTTPLimits | None = None) -> None:
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, limits, timeout_graceful_shutdown=2))
         self.host = host
         self.port = port
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)

@@ -3,11 +3,16 @@
 - :class:`BodySizeLimit`: a request body over ``max_body_bytes`` is answered 413 without being read
   whole: a ``Content-Length`` over the limit is refused before any byte of the body is read, and a body
   without one (chunked) is counted while it streams in and refused as soon as it passes the limit. At
-  most ``max_body_bytes`` are ever buffered per request. Once a large body has been answered, its
-  memory is given back (:class:`server.memory.MemoryRelease`: cyclic garbage collected, C heap trimmed).
+  most ``max_body_bytes`` are ever buffered per request. A body sent with ``Content-Encoding: gzip`` or
+  ``deflate`` is decoded as it arrives, under the same limit for its decoded size (a zip bomb stops at the
+  limit: 413), and handed on decoded; a body in any other coding is answered 415 with ``Accept-Encoding``.
+  Once a large body has been answered, its memory is given back (:class:`server.memory.MemoryRelease`:
+  cyclic garbage collected, C heap trimmed).
 - :class:`MethodCheck`: a known API path asked with a method it does not serve (``GET
   /v1/chat/completions``) is answered 405 with an ``Allow`` header, even when a catch-all mount
   (the Gradio page at ``/``) would otherwise take it and answer 404.
+- :class:`APICors`: Starlette's ``CORSMiddleware`` on the API's paths only (preflights answered, and the
+  ``Access-Control-*`` headers on every actual response, errors included); the Gradio page keeps its own rule.
 
 Both answer with the API's OpenAI-style error body (:class:`server.protocol.APIError`) and count the
 refusal in ``cbp:api_rejected_requests_total`` through ``on_reject(reason)``.
@@ -15,16 +20,20 @@ refusal in ``cbp:api_rejected_requests_total`` through ``on_reject(reason)``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.memory import MemoryRelease
-from server.options import DEFAULT_MAX_BODY_BYTES
+from server.options import DEFAULT_MAX_BODY_BYTES, CORSSettings
 from server.protocol import APIError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "MethodCheck"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "APICors", "BodySizeLimit", "MethodCheck"]
+
+ACCEPTED_ENCODINGS = "gzip, deflate"  # request body codings decoded (answered in a 415's Accept-Encoding)
 
 
 async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,8 +45,9 @@ class BodySizeLimit:
 
     Args:
         app: the ASGI app behind.
-        max_body_bytes: the largest body accepted (bytes, >= 1).
-        on_reject: called with ``"too_large"`` (413) or ``"invalid"`` (a malformed ``Content-Length``: 400).
+        max_body_bytes: the largest body accepted (bytes, >= 1), sent and, for a coded body, decoded.
+        on_reject: called with ``"too_large"`` (413), ``"unsupported_encoding"`` (415) or ``"invalid"`` (a
+            malformed ``Content-Length`` or coded body: 400).
         prefixes: the guarded paths (the API's; the page's own routes are left to Gradio).
         release: told the size of each body read once its request has ended (None: a default
             :class:`~server.memory.MemoryRelease`, which acts after bodies of 1 MiB or more).
@@ -58,9 +68,37 @@ class BodySizeLimit:
         return APIError(413, f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
                         "(--max-request-body-bytes)", param=None, code="request_too_large")
 
+    def _decoder(self, scope: Scope) -> tuple[zlib._Decompress | None, APIError | None]:
+        """The decoder of the body's ``Content-Encoding`` (None: identity), or the error answering it."""
+        coding = b",".join(v for k, v in scope["headers"] if k == b"content-encoding").strip().lower()
+        if coding in (b"", b"identity"):
+            return None, None
+        if coding in (b"gzip", b"x-gzip"):
+            return zlib.decompressobj(16 + zlib.MAX_WBITS), None
+        if coding == b"deflate":  # zlib-wrapped (RFC 9110) or raw, as clients send both
+            return zlib.decompressobj(32 + zlib.MAX_WBITS), None
+        self.on_reject("unsupported_encoding")
+        shown = coding.decode("latin-1")[:64]
+        return None, APIError(415, f"request bodies in Content-Encoding {shown!r} are not accepted; send them "
+                              f"plain or in one of: {ACCEPTED_ENCODINGS}", code="unsupported_content_encoding",
+                              headers={"Accept-Encoding": ACCEPTED_ENCODINGS})
+
+    def _decode(self, decoder: zlib._Decompress, data: bytes, decoded: int) -> bytes:
+        """``data`` decoded, at most one byte past the limit (``decoded``: bytes decoded before).
+
+        Raises:
+            zlib.error: not valid data of the coding.
+        """
+        room = self.max_body_bytes - decoded + 1
+        return decoder.decompress(data, room) if room > 0 else b""
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
             await self.app(scope, receive, send)
+            return
+        decoder, refusal = self._decoder(scope)
+        if refusal is not None:
+            await _answer(refusal, scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None:
@@ -77,23 +115,46 @@ class BodySizeLimit:
                 await _answer(self._too_large(), scope, receive, send)
                 return
         chunks: list[bytes] = []
-        size = 0
+        size = decoded = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                chunks_message: Message = message
-                break
+            if message["type"] != "http.request":  # the client left (or was dropped as too slow) mid-body
+                self.release.request_ended(size)
+                return  # nothing to answer (the app would only fail to read the body)
             body = message.get("body", b"")
             size += len(body)
-            if size > self.max_body_bytes:
+            if decoder is not None and body:
+                try:
+                    body = self._decode(decoder, body, decoded)
+                except zlib.error:
+                    chunks.clear()
+                    self.on_reject("invalid")
+                    await _answer(APIError(400, "the request body is not valid data of its Content-Encoding",
+                                           code="invalid_content_encoding"), scope, receive, send)
+                    self.release.request_ended(size)
+                    return
+                decoded += len(body)
+            if size > self.max_body_bytes or decoded > self.max_body_bytes:
                 chunks.clear()
                 await _answer(self._too_large(), scope, receive, send)
-                self.release.request_ended(size)
+                self.release.request_ended(size + decoded)
                 return
             chunks.append(body)
             if not message.get("more_body", False):
-                chunks_message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                if decoder is not None and not decoder.eof:
+                    chunks.clear()
+                    self.on_reject("invalid")
+                    await _answer(APIError(400, "the request body ends before the end of its Content-Encoding's "
+                                           "data", code="invalid_content_encoding"), scope, receive, send)
+                    self.release.request_ended(size)
+                    return
+                chunks_message: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 break
+        if decoder is not None:  # the app sees the decoded body, as if sent plain
+            headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+            headers.append((b"content-length", str(decoded).encode("ascii")))
+            scope = {**scope, "headers": headers}
+            size += decoded
         replayed = False
 
         async def replay() -> Message:
@@ -145,3 +206,27 @@ class MethodCheck:
                               scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class APICors:
+    """Starlette's ``CORSMiddleware`` with ``settings`` on the paths starting with one of ``prefixes`` (the API's),
+    other paths passed on untouched (the Gradio page answers its own preflights).
+
+    Args:
+        app: the ASGI app behind.
+        settings: the allowed origins, methods, headers and credentials (:class:`server.options.CORSSettings`).
+        prefixes: the paths it applies to.
+    """
+
+    def __init__(self, app: ASGIApp, settings: CORSSettings,
+                 prefixes: tuple[str, ...] = ("/v1/", "/health", "/metrics")) -> None:
+        self.app = app
+        self.prefixes = prefixes
+        self.cors = CORSMiddleware(app, allow_origins=list(settings.origins), allow_methods=list(settings.methods),
+                                   allow_headers=list(settings.headers), allow_credentials=settings.credentials)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            await self.cors(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

@@ -9,7 +9,8 @@ frequency penalties, logit bias, temperature, top-k / top-p / min-p (vLLM's defa
   (``top_logprobs``: the ``top_logprobs`` most likely tokens, as OpenAI);
 - completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (``top_logprobs``: one
   ``{token: logprob}`` per position with the sampled token and the ``logprobs`` most likely ones, as vLLM
-  and OpenAI's legacy endpoint).
+  and OpenAI's legacy endpoint; ``text_offset``: where each token's text begins in the returned text, in
+  characters, from the engine's detokenizer, whatever the ``tokens`` entries look like).
 
 A token's text is its own decoded text; a token that is only part of a UTF-8 character (byte-level BPE
 splits CJK and emoji over several tokens) is written ``"bytes:\\xe4\\xbd"`` as OpenAI does, and ``bytes``
@@ -114,13 +115,21 @@ def chat_logprobs(entries, tt: TokenText, top: int, as_ids: bool = False) -> dic
     return {"content": content}
 
 
-def completion_logprobs(entries, tt: TokenText, top: int, offset: int = 0, as_ids: bool = False) -> tuple[dict, int]:
-    """The completions ``logprobs`` object of ``entries`` and the text offset after them.
+def completion_logprobs(entries, tt: TokenText, top: int, offsets: list[int], as_ids: bool = False,
+                        start: int = 0, end: int | None = None) -> dict:
+    """The completions ``logprobs`` object of ``entries``.
 
-    ``text_offset`` counts characters of the token texts from ``offset`` (the characters already
-    streamed, or 0), as vLLM does."""
+    Args:
+        entries: ``(token_id, logprob, top pairs)`` per token.
+        offsets: per token, where its text begins in the completion's text (characters; the engine's
+            ``CompletionOutput.text_offsets``).
+        start: characters in front of the completion's text in the returned text (an echoed prompt).
+        end: the returned text's length once known (the last chunk, or a whole response): offsets are clamped to
+            it (the tokens of a stop string that was cut off point at its end).
+    """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for tid, lp, alts in entries:
+    offsets = list(offsets) + [offsets[-1] if offsets else 0] * (len(entries) - len(offsets))  # never short
+    for (tid, lp, alts), offset in zip(entries, offsets):
         text = tt.text(tid, as_ids)
         tokens.append(text)
         token_logprobs.append(_lp(lp))
@@ -128,7 +137,6 @@ def completion_logprobs(entries, tt: TokenText, top: int, offset: int = 0, as_id
         for a, alp in alts[:top]:
             d.setdefault(tt.text(a, as_ids), _lp(alp))
         top_logprobs.append(d)
-        text_offset.append(offset)
-        offset += len(text)
+        text_offset.append(start + offset if end is None else min(start + offset, end))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}, offset
+            "text_offset": text_offset}

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine import AsyncEngine
+from engine import AsyncEngine, FinishedRequestStats
 
 # Histogram buckets: vLLM's (seconds; tokens).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -22,13 +23,45 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+class RepeatedHistogram:
+    """A cumulative histogram that takes one value observed many times at once (``observe(value, times)``), for
+    the inter-token latency: each finished request's mean gap, once per gap, in O(1)."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count ``value`` ``times`` times (``times`` <= 0: nothing)."""
+        if times <= 0:
+            return
+        with self._lock:
+            self.counts[bisect.bisect_left(self.bounds, value)] += times
+            self.sum += value * times
+
+    def family(self, name: str, doc: str, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        """The histogram as a Prometheus metric family (cumulative buckets)."""
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        fam = HistogramMetricFamily(name, doc, labels=labels)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        fam.add_metric(values, buckets, sum_value=total)
+        return fam
+
+
 class EngineMetrics:
     """Prometheus metrics of one engine in its own :class:`CollectorRegistry` (one per app, so tests
     can build several apps). Meanings are vLLM's; names use ``{prefix}:`` instead of ``vllm:``.
 
-    Gauges and counters are read from the engine at each scrape; histograms are fed from the engine's
-    finished-request records (``Telemetry.finished_requests()``) at each scrape, so they cover every
-    request of the engine (UI chats too), not only API ones.
+    Gauges and counters are read from the engine at each scrape; the histograms and ``request_success`` are
+    fed as each request finishes (``Telemetry.on_finished``, on the engine thread, from the records the
+    telemetry kept before for the requests finished earlier), so they cover every request of the engine (UI
+    chats too), however many finish between two scrapes.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = "cbp",
@@ -40,8 +73,6 @@ class EngineMetrics:
         self.model_name = model_name
         self.prefix = prefix
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self._lock = threading.Lock()
-        self._seen = 0  # finished-request records observed so far
         self.label_names = ["model_name"] + (["engine"] if engine_label is not None else [])
         self.label_values = [model_name] + ([engine_label] if engine_label is not None else [])
         p, labels, values = prefix, self.label_names, self.label_values
@@ -65,40 +96,32 @@ class EngineMetrics:
                                 "API requests refused before reaching the engine, by reason "
                                 "(invalid, too_large, method_not_allowed, overloaded, rate_limited, unavailable).",
                                 labels + ["reason"], registry=self.registry)
-        self.itl = None
-        if engine_label is not None:  # vLLM's names only: per-token latency (tokens per step: collect)
-            self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds (each "
-                            "request's mean gap, once per gap).", TPOT_BUCKETS)
+        # vLLM's names only: per-token latency (each request's mean gap, once per gap; yielded by collect)
+        self.itl = RepeatedHistogram(TPOT_BUCKETS) if engine_label is not None else None
         self.registry.register(self)
         self.vllm = EngineMetrics(engine, model_name, "vllm", self.registry, vllm_names=False, engine_label="0") \
             if vllm_names and prefix != "vllm" else None
+        for record in engine.telemetry.on_finished(self.observe):
+            self.observe(record)
 
     def reject(self, reason: str) -> None:
         """Count one refused API request."""
         if self.rejected is not None:
             self.rejected.labels(*self.label_values, reason).inc()
 
-    def sync(self) -> None:
-        """Feed the histograms with the requests finished (and, for vLLM's names, the steps run) since the last
-        call."""
-        if self.vllm is not None:
-            self.vllm.sync()
-        with self._lock:
-            # by count, not by the last record seen: that one may have left the ring (over max_finished finished
-            # between two scrapes), which used to observe the whole ring again
-            records, self._seen = self.engine.telemetry.finished_since(self._seen)
-            for r in records:
-                if r.ttft is not None:
-                    self.ttft.observe(r.ttft)
-                if r.tpot is not None:
-                    self.tpot.observe(r.tpot)
-                    if self.itl is not None:
-                        for _ in range(min(r.num_output_tokens - 1, 4096)):
-                            self.itl.observe(r.tpot)
-                self.e2e.observe(r.e2e)
-                self.prompt_len.observe(r.num_prompt_tokens)
-                self.gen_len.observe(r.num_output_tokens)
-                self.success.labels(*self.label_values, r.finish_reason or "unknown").inc()
+    def observe(self, r: FinishedRequestStats) -> None:
+        """Count one finished request in the histograms and ``request_success`` (any thread; called by the
+        engine's telemetry as the request finishes)."""
+        if r.ttft is not None:
+            self.ttft.observe(r.ttft)
+        if r.tpot is not None:
+            self.tpot.observe(r.tpot)
+            if self.itl is not None:
+                self.itl.observe(r.tpot, r.num_output_tokens - 1)
+        self.e2e.observe(r.e2e)
+        self.prompt_len.observe(r.num_prompt_tokens)
+        self.gen_len.observe(r.num_output_tokens)
+        self.success.labels(*self.label_values, r.finish_reason or "unknown").inc()
 
     def collect(self):
         """Live gauges and cumulative counters (called by the registry at each scrape), read from the
@@ -137,6 +160,9 @@ class EngineMetrics:
             buckets.append(("+Inf", sum(counts.values())))
             fam.add_metric(m, buckets, sum_value=float(sum(t * n for t, n in counts.items())))
             yield fam
+            if self.itl is not None:
+                yield self.itl.family(f"{p}:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                      "seconds (each request's mean gap, once per gap).", names, m)
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.",
                     snap.num_running if snap else 0)
@@ -160,6 +186,5 @@ class EngineMetrics:
                       snap.num_preemptions if snap else 0)
 
     def render(self) -> bytes:
-        """The registry in Prometheus text format (after :meth:`sync`)."""
-        self.sync()
+        """The registry in Prometheus text format."""
         return generate_latest(self.registry)

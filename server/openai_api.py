@@ -12,12 +12,16 @@
 Every request is checked before the engine allocates anything (bad JSON or messages, empty prompt,
 prompt over the context length, sampling values out of range, ``n`` over ``MAX_N`` or the batch slots,
 an unknown model; see :mod:`server.protocol`): a 4xx with an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. Bodies are read by :mod:`server.request_body` (cheap
+shape checks first, large bodies off the event loop); the OpenAPI document is :mod:`server.openapi_schema`'s.
+Chat messages are tokenized as text (a typed ``<|im_end|>`` is text, not a control token) unless the request's
+``special_tokens_in_messages`` (default: the server's) says otherwise.
 Every field of OpenAI's and vLLM's requests is honoured or refused with a 400 naming it
 (:func:`server.protocol.check_refused`); response bodies, logprobs included, are built by
 :mod:`server.responses` and :mod:`server.logprobs`.
 ``HEAD`` answers like ``GET`` on ``/health``, ``/v1/models`` and ``/metrics``; a known path asked with a
-method it does not serve answers 405 with ``Allow``; a body over ``max_body_bytes`` answers 413
+method it does not serve answers 405 with ``Allow``; a body over ``max_body_bytes`` answers 413, a body in a
+coding other than gzip or deflate 415, and the API's paths answer other origins as ``cors`` allows
 (:mod:`server.http_guards`). Every refusal is counted in ``cbp:api_rejected_requests_total``.
 A full engine (its ``max_pending`` reached) answers 429 with ``Retry-After``; so does a client host past
 its rate limit (:mod:`server.ratelimit`).
@@ -52,9 +56,11 @@ from engine import (
     SamplingParams,
     TextPrompt,
 )
-from server.http_guards import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, MethodCheck
+from server import openapi_schema
+from server.http_guards import DEFAULT_MAX_BODY_BYTES, APICors, BodySizeLimit, MethodCheck
 from server.logprobs import TokenText
 from server.metrics import EngineMetrics
+from server.options import CORSSettings
 from server.protocol import (
     REFUSED_CHAT,
     REFUSED_COMPLETIONS,
@@ -66,33 +72,17 @@ from server.protocol import (
     chat_messages,
     check_common,
     check_refused,
-    check_unicode,
     completion_prompt,
     sampling_params_from,
 )
 from server.ratelimit import ClientRateLimiter
+from server.request_body import BodyLimits, BodyReader, validation_error
 from server.responses import ChatResponder, CompletionResponder, ResponseOptions
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"})
-
-
-def _field_path(loc) -> list[str]:
-    """The request field a pydantic error location names: "body" and the union member tags pydantic adds
-    after the field (``("body", "stop", "str")`` for ``"stop": 5``) left out."""
-    out = []
-    for x in loc:
-        if x == "body":
-            continue
-        if isinstance(x, str) and (x in _TYPE_TAGS or "[" in x):
-            break
-        out.append(str(x))
-    return out
 
 
 class _ClientGone(Exception):
@@ -146,7 +136,8 @@ class OpenAIServer:
     """The handlers behind :func:`create_api` (one per app)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, rate_limiter: ClientRateLimiter | None,
-                 retry_after: int, metrics: EngineMetrics) -> None:
+                 retry_after: int, metrics: EngineMetrics, special_tokens_in_messages: bool = False) -> None:
+        self.special_tokens_in_messages = special_tokens_in_messages
         self.engine = engine
         self.model_name = model_name
         self.rate_limiter = rate_limiter
@@ -321,9 +312,11 @@ class OpenAIServer:
         role = "assistant" if add_gen else messages[-1]["role"]  # vLLM's rule
         last = messages[-1]
         echo = last["content"] if body.echo and last["role"] == role else ""
+        special = body.special_tokens_in_messages
         prompt = ChatPrompt(messages, add_generation_prompt=add_gen, continue_final_message=cont,
                             add_special_tokens=bool(body.add_special_tokens),
-                            chat_template_kwargs=body.chat_template_kwargs)
+                            chat_template_kwargs=body.chat_template_kwargs,
+                            special_tokens_in_messages=self.special_tokens_in_messages if special is None else special)
         responder = ChatResponder(self._options(request, body, "chatcmpl", logprobs, echo), role)
         return await self._respond(request, body, prompt, params, "messages", responder)
 
@@ -357,7 +350,8 @@ class OpenAIServer:
 
 def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit: int | None = None,
                rate_period: float = 1.0, retry_after: int = 1, metrics_prefix: str = "cbp",
-               app: FastAPI | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               app: FastAPI | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               cors: CORSSettings | None = None, special_tokens_in_messages: bool = False) -> FastAPI:
     """The OpenAI-compatible API, ``/health`` and ``/metrics`` for ``engine``.
 
     Args:
@@ -373,6 +367,10 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
             catch-all mount such as Gradio's at ``/``).
         max_body_bytes: the largest request body of a ``/v1/`` route (bytes); larger ones get 413 and
             are never read whole (:class:`server.http_guards.BodySizeLimit`).
+        cors: which other origins may read the API from a browser (:class:`server.http_guards.APICors`); None or
+            no origins: none (no ``Access-Control-*`` headers; a preflight gets 405).
+        special_tokens_in_messages: the default of a chat request's ``special_tokens_in_messages``: whether
+            special-token strings typed in its messages become control tokens (False: they are text).
 
     Returns:
         The FastAPI app; ``app.state.openai_server`` and ``app.state.metrics`` hold the handlers.
@@ -382,11 +380,18 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     app = app if app is not None else FastAPI(title="Continuous Batching Playground API")
     metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
     limiter = ClientRateLimiter(rate_limit, rate_period) if rate_limit else None
-    server = OpenAIServer(engine, model_name, limiter, retry_after, metrics)
+    server = OpenAIServer(engine, model_name, limiter, retry_after, metrics, special_tokens_in_messages)
+    vocab = max(1, engine.core.input_processor.vocab_size)
+    reader = BodyReader(BodyLimits(max_values=max(131_072, 2 * vocab + 1024), max_token_ids=vocab,
+                                   max_messages=engine.core.max_model_len))
     app.state.openai_server = server
+    app.state.body_reader = reader
     app.state.metrics = metrics
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, on_reject=metrics.reject)
-    app.add_middleware(MethodCheck, router_app=app, on_reject=metrics.reject)  # outermost: before any body
+    app.add_middleware(MethodCheck, router_app=app, on_reject=metrics.reject)  # before any body
+    if cors is not None and cors.origins:
+        app.add_middleware(APICors, settings=cors)  # outermost: preflights, and the headers on every answer
+    openapi_schema.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -399,22 +404,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         metrics.reject("invalid")
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = _field_path(first.get("loc", ()))
-        if first.get("type") == "json_invalid":
-            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-            return APIError(400, msg, code="invalid_json").response()
-        if first.get("type") == "string_unicode":  # e.g. a field name with a lone surrogate escape ("\ud800")
-            return APIError(400, "the request body holds a string that is not valid Unicode (a lone surrogate "
-                                 "escape such as \\ud800)", param=".".join(loc) or None).response()
-        if not loc:  # also a JSON body sent without Content-Type: application/json (read as text)
-            return APIError(400, "the request body must be a JSON object, sent with Content-Type: "
-                                 "application/json").response()
-        param = ".".join(loc)
-        if first.get("type") == "model_attributes_type":
-            return APIError(400, f"{param}: must be a JSON object", param=param).response()
-        return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param).response()
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -423,38 +413,38 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
                         else "server_error", headers=getattr(exc, "headers", None)).response()
 
-    def _unicode_error(body) -> Response | None:
-        """A 400 response when a string of the parsed body is not valid Unicode, else None."""
+    async def read(request: Request, model):
         try:
-            check_unicode(body.model_dump())
-        except APIError as e:
+            return await reader.read(request, model)
+        except APIError:
             metrics.reject("invalid")
-            return e.response()
-        return None
+            raise
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
+    @app.post("/v1/chat/completions", responses=openapi_schema.GENERATION_RESPONSES)
+    async def chat_completions(request: Request):
         """OpenAI chat completions (streaming with ``stream: true``)."""
-        return _unicode_error(body) or await server.chat(request, body)
+        return await server.chat(request, await read(request, ChatCompletionRequest))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
+    @app.post("/v1/completions", responses=openapi_schema.GENERATION_RESPONSES)
+    async def completions(request: Request):
         """OpenAI (legacy) text completions (streaming with ``stream: true``)."""
-        return _unicode_error(body) or await server.completions(request, body)
+        return await server.completions(request, await read(request, CompletionRequest))
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], response_model=openapi_schema.ModelList)
     async def models():
         """The served model."""
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"], response_model=openapi_schema.ModelCard,
+                   responses=openapi_schema.MODEL_RESPONSES)
     async def model(model: str):
         """One model, 404 when it is not the served one."""
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return server.model_card()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=openapi_schema.Health,
+                   responses=openapi_schema.HEALTH_RESPONSES)
     async def health():
         """200 while the engine thread runs, 503 otherwise. The body has the engine's step counter, whether it
         is paused, running and waiting requests (as the page's counters: the newest step, the queue now) and
@@ -466,7 +456,7 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
                     "in_flight": engine.num_pending}
         return JSONResponse({"status": "unavailable", "detail": "the engine thread is not running"}, status_code=503)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.api_route("/metrics", methods=["GET", "HEAD"], responses=openapi_schema.METRICS_RESPONSES)
     async def prometheus_metrics():
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

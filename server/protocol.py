@@ -15,12 +15,12 @@ checks that turn a request body into engine inputs before the engine allocates a
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, WithJsonSchema
 
-from engine import MAX_LOGPROBS, MAX_N, RequestError, SamplingParams
+from engine import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, RequestError, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")  # developer = system (OpenAI's newer name)
 
@@ -66,6 +66,12 @@ def check_unicode(value, path: str = "body") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
+def _doc(**schema: Any) -> Any:
+    """A field's default (None) whose OpenAPI schema also states ``schema`` (ranges the checks below enforce with
+    their own messages; pydantic does not validate them)."""
+    return Field(None, json_schema_extra=schema)
+
+
 class StreamOptions(BaseModel):
     """``stream_options`` of a streamed request."""
 
@@ -83,30 +89,30 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
     model: str | None = None
-    max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    n: StrictInt | None = None
+    max_tokens: StrictInt | None = _doc(minimum=1)
+    temperature: StrictFloat | None = _doc(minimum=0)
+    top_p: StrictFloat | None = _doc(exclusiveMinimum=0, maximum=1)
+    n: StrictInt | None = _doc(minimum=1, maximum=MAX_N)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    stop: str | list[str] | None = _doc(maxItems=MAX_STOP_STRINGS, minLength=1)
+    seed: StrictInt | None = _doc(minimum=SEED_MIN, maximum=SEED_MAX)
+    presence_penalty: StrictFloat | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: StrictFloat | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     response_format: dict | None = None
     # vLLM's extra fields (``extra_body`` in the openai client)
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
+    top_k: StrictInt | None = _doc(minimum=-1)
+    min_p: StrictFloat | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: StrictFloat | None = _doc(minimum=0.01, maximum=100)
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
     cache_salt: str | None = None
-    min_tokens: StrictInt | None = None
+    min_tokens: StrictInt | None = _doc(minimum=0)
     include_stop_str_in_output: StrictBool | None = None
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = None
@@ -116,24 +122,41 @@ class SamplingFields(BaseModel):
     return_token_ids: StrictBool | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    """Body of ``POST /v1/chat/completions``."""
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": list(CHAT_ROLES)}, "name": {"type": "string"},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, _TOKEN_IDS,
+                            {"type": "array", "maxItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}]}
 
-    messages: Any = None  # checked by hand for clear messages
+
+class ChatCompletionRequest(SamplingFields):
+    """Body of ``POST /v1/chat/completions``.
+
+    ``special_tokens_in_messages`` (ours): true reads special-token strings typed in the messages
+    (``<|im_end|>``...) as control tokens, as a plain render of the chat template would, so the request may
+    forge turns of its own conversation; false (the server's default unless ``--special-tokens-in-messages``)
+    tokenizes every message's text as text: only the template's own markup is special."""
+
+    messages: Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)] = None  # checked by hand for clear messages
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
     # vLLM's chat rendering fields
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    special_tokens_in_messages: StrictBool | None = None
 
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Any = None  # a string, token ids, or a list holding one of those
-    logprobs: StrictInt | None = None
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None  # a string, token ids, or a list holding one
+    logprobs: StrictInt | None = _doc(minimum=0, maximum=MAX_LOGPROBS)
 
 
 # ---------------------------------------------------------------------------------------------- refused fields

@@ -48,13 +48,13 @@ class ResponseOptions:
     include_usage: bool = False
     continuous_usage: bool = False
     sent_tokens: dict[int, int] = field(default_factory=dict)  # choice -> tokens already streamed
-    offsets: dict[int, int] = field(default_factory=dict)  # choice -> completions text_offset so far
 
-    def new_tokens(self, c: CompletionOutput) -> tuple[list[int], list | None]:
-        """Token ids (and logprob entries) of choice ``c`` not streamed yet; marks them streamed."""
+    def new_tokens(self, c: CompletionOutput) -> tuple[list[int], list | None, list[int]]:
+        """Token ids, logprob entries and text offsets of choice ``c`` not streamed yet; marks them streamed."""
         start = self.sent_tokens.get(c.index, 0)
         self.sent_tokens[c.index] = len(c.token_ids)
-        return c.token_ids[start:], (c.logprobs[start:] if c.logprobs is not None else None)
+        return (c.token_ids[start:], (c.logprobs[start:] if c.logprobs is not None else None),
+                list(c.text_offsets or [])[start:])
 
     def has_new_tokens(self, c: CompletionOutput) -> bool:
         return (self.logprobs is not None or self.token_ids) and len(c.token_ids) > self.sent_tokens.get(c.index, 0)
@@ -109,7 +109,7 @@ class ChatResponder:
         """The chunk of choice ``c``'s new text and tokens, or None when there is nothing new."""
         if not (c.delta or c.finish_reason is not None or self.o.has_new_tokens(c)):
             return None
-        ids, entries = self.o.new_tokens(c)
+        ids, entries, _ = self.o.new_tokens(c)
         return self._chunk(c.index, {"content": c.delta} if c.delta else {}, self._logprobs(entries),
                            c.finish_reason, c.stop_reason, ids if self.o.token_ids else None, c)
 
@@ -143,12 +143,13 @@ class CompletionResponder:
         self.prompt_ids: list[int] = []
         self.opened: set[int] = set()
 
-    def _logprobs(self, index: int, entries) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, entries, offsets: list[int]) -> dict | None:
+        """The ``logprobs`` of ``entries``; offsets clamped to the returned text once it is whole (``c`` finished)."""
         if self.o.logprobs is None or entries is None:
             return None
-        lp, self.o.offsets[index] = completion_logprobs(entries, self.o.tokens, self.o.logprobs,
-                                                        self.o.offsets.get(index, 0), self.o.as_ids)
-        return lp
+        end = len(self.o.echo) + len(c.text) if c.finish_reason is not None else None
+        return completion_logprobs(entries, self.o.tokens, self.o.logprobs, offsets, self.o.as_ids,
+                                   start=len(self.o.echo), end=end)
 
     def opening(self, first: RequestOutput) -> list[dict]:
         self.prompt_len = len(first.prompt_token_ids)
@@ -160,9 +161,9 @@ class CompletionResponder:
         if not (c.delta or c.finish_reason is not None or self.o.has_new_tokens(c) or (first and self.o.echo)):
             return None
         self.opened.add(c.index)
-        ids, entries = self.o.new_tokens(c)
+        ids, entries, offsets = self.o.new_tokens(c)
         ch = {"index": c.index, "text": (self.o.echo if first else "") + (c.delta or ""),
-              "logprobs": self._logprobs(c.index, entries), "finish_reason": c.finish_reason}
+              "logprobs": self._logprobs(c, entries, offsets), "finish_reason": c.finish_reason}
         if c.finish_reason is not None:
             ch["stop_reason"] = c.stop_reason
         if self.o.token_ids:
@@ -177,7 +178,8 @@ class CompletionResponder:
     def response(self, final: RequestOutput) -> dict:
         choices = []
         for c in final.outputs:
-            ch = {"index": c.index, "text": self.o.echo + c.text, "logprobs": self._logprobs(c.index, c.logprobs),
+            ch = {"index": c.index, "text": self.o.echo + c.text,
+                  "logprobs": self._logprobs(c, c.logprobs, list(c.text_offsets or [])),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if self.o.token_ids:
                 ch["prompt_token_ids"] = list(final.prompt_token_ids)

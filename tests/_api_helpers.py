@@ -28,14 +28,15 @@ def endpoint(name: str) -> tuple[str, dict]:
 
 def serve_tiny_api(tiny_model, tokenizer, **api_kwargs) -> Iterator[SimpleNamespace]:
     """Body of a module-scoped ``api`` fixture: the API of a tiny-model engine on 127.0.0.1 (free port),
-    yielded as ``url``, ``engine``, ``client`` (openai) and ``http`` (httpx); all closed afterwards.
+    yielded as ``url``, ``engine``, ``client`` (openai), ``http`` (httpx) and ``app``; all closed afterwards.
     ``api_kwargs`` go to :func:`server.create_api` (e.g. ``max_body_bytes``)."""
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
                                                  max_num_batched_tokens=512), model=tiny_model, tokenizer=tokenizer))
-    server = ServerThread(create_api(engine, MODEL, **api_kwargs)).start()
+    app = create_api(engine, MODEL, **api_kwargs)
+    server = ServerThread(app).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     http = httpx.Client(base_url=server.url, timeout=60)
-    yield SimpleNamespace(url=server.url, engine=engine, client=client, http=http)
+    yield SimpleNamespace(url=server.url, engine=engine, client=client, http=http, app=app)
     http.close()
     client.close()
     server.stop()

@@ -196,3 +196,90 @@ def test_real_model_greedy_logprobs(real_model):
         assert numbers(streamed) == pytest.approx(numbers(content), abs=1e-4)
     finally:
         gen.close()
+
+
+# ---------------------------------------------------------------------------------------------- text_offset
+SCRIPTED_TEXT = "Hi 😀, 日本語 ok! 🎉 done"
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model, tokenizer):
+    """An API whose sampler emits the tokens of :data:`SCRIPTED_TEXT` in order, for every request (the real
+    draw still runs; its logprob entry is given the scripted token). Emoji and CJK split into byte tokens."""
+    ids = tokenizer(SCRIPTED_TEXT, add_special_tokens=False)["input_ids"]
+    serving = serve_tiny_api(tiny_model, tokenizer)
+    api = next(serving)
+    real = api.engine.core.sampler.sample
+
+    def sample(logits, requests):
+        drawn = real(logits, requests)
+        out = []
+        for r, _t in zip(requests, drawn):
+            t = ids[min(len(r.output_token_ids), len(ids) - 1)]
+            if len(r.output_logprobs) == len(r.output_token_ids) + 1:  # this step's entry
+                _, lp, top = r.output_logprobs[-1]
+                r.output_logprobs[-1] = (t, lp, top)
+            out.append(t)
+        return out
+
+    api.engine.core.sampler.sample = sample
+    yield api, ids
+    next(serving, None)
+
+
+def _expected_offsets(tokenizer, ids: list[int], text: str) -> list[int]:
+    """Where each token's text begins in ``text``: the characters whose UTF-8 bytes all lie in the tokens
+    before it (a token that only begins a character starts where that character does)."""
+    from server.logprobs import TokenText
+
+    tt, ends, pos = TokenText.of(tokenizer), [], 0
+    for ch in text:
+        pos += len(ch.encode())
+        ends.append(pos)
+    out, size = [], 0
+    for t in ids:
+        out.append(sum(1 for e in ends if e <= size))
+        size += len(tt.get(t)[1])
+    return out
+
+
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token-ids"])
+def test_text_offset_points_into_the_returned_text(scripted, tokenizer, as_ids):
+    """Offsets are character positions in the returned text, whatever the token entries look like
+    (``bytes:\\x..`` for a part of a character, ``token_id:N`` in token-id mode): before, the lengths of
+    those placeholders were added, and the offsets ran past the text (up to 178 for 8 characters)."""
+    api, ids = scripted
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # the text has byte tokens
+    n = len(ids)
+    body = dict(model=MODEL, prompt="hi", max_tokens=n, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": as_ids})
+    full = api.client.completions.create(**body).choices[0]
+    assert full.text == SCRIPTED_TEXT
+    expected = _expected_offsets(tokenizer, ids, SCRIPTED_TEXT)
+    assert full.logprobs.text_offset == expected
+    assert all(0 <= o <= len(full.text) for o in full.logprobs.text_offset)
+    for tok, off in zip(full.logprobs.tokens, full.logprobs.text_offset):
+        if not as_ids and not tok.startswith("bytes:"):
+            assert full.text[off:off + len(tok)] == tok  # a whole token's text is found where it says
+    streamed, text = [], ""
+    for c in api.client.completions.create(**body, stream=True):
+        if c.choices:
+            text += c.choices[0].text
+            if c.choices[0].logprobs:
+                streamed += c.choices[0].logprobs.text_offset
+    assert (text, streamed) == (full.text, expected)
+
+
+def test_text_offset_with_a_stop_string_and_echo(scripted, tokenizer):
+    """A stop string cuts the text: the tokens after the cut point at its end. ``echo`` with ``logprobs`` stays
+    refused (the prompt's logprobs are not computed), so offsets never count an echoed prompt."""
+    api, ids = scripted
+    body = dict(model=MODEL, prompt="hi", max_tokens=len(ids), temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True})
+    full = api.client.completions.create(**body, stop=["ok"]).choices[0]
+    assert full.text == "Hi 😀, 日本語 " and full.finish_reason == "stop"  # " ok" holds the space
+    offsets = full.logprobs.text_offset
+    expected = _expected_offsets(tokenizer, ids, SCRIPTED_TEXT)[:len(offsets)]
+    assert offsets == [min(o, len(full.text)) for o in expected] and max(offsets) <= len(full.text)
+    r = api.http.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

@@ -237,8 +237,9 @@ def test_the_server_publishes_with_the_flag_and_speaks_vllms_metric_names(tiny_m
 
 
 def test_metrics_observe_each_finished_request_once_even_past_the_ring():
-    """More requests finish between two scrapes than the finished-request ring keeps: the histograms count the
-    kept ones once, and a later scrape adds only the new ones (they used to observe the whole ring again)."""
+    """More requests finish between two scrapes than the finished-request ring keeps: the histograms count every
+    one of them once (they are counted as they finish, not read back from the ring), the requests finished
+    before the metrics existed included."""
     from engine.telemetry import FinishedRequestStats, Telemetry
     from server.metrics import EngineMetrics
 
@@ -251,18 +252,20 @@ def test_metrics_observe_each_finished_request_once_even_past_the_ring():
         for _ in range(n):
             FakeEngine.telemetry.record_finished(FinishedRequestStats("r", 0.1, 0.01, 0.5, 3, 2, "stop"))
 
+    finish(2)  # before the metrics: read back from the ring once
     metrics = EngineMetrics(FakeEngine(), "m")  # type: ignore[arg-type]
 
     def count():
+        metrics.render()
         return metrics.registry.get_sample_value("cbp:e2e_request_latency_seconds_count", {"model_name": "m"})
 
+    assert count() == 2
     finish(10)
-    metrics.sync()
-    assert count() == 4  # the ring keeps 4 of the 10
-    metrics.sync()
-    assert count() == 4
+    assert count() == 12  # the ring keeps 4 of the 10
+    assert count() == 12
     finish(3)
-    metrics.sync()
-    assert count() == 7
+    assert count() == 15
     assert metrics.registry.get_sample_value("vllm:e2e_request_latency_seconds_count",
-                                             {"model_name": "m", "engine": "0"}) == 7
+                                             {"model_name": "m", "engine": "0"}) == 15
+    assert metrics.registry.get_sample_value("vllm:inter_token_latency_seconds_count",
+                                             {"model_name": "m", "engine": "0"}) == 15  # 2 tokens: one gap each

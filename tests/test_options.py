@@ -12,7 +12,8 @@ import pytest
 import app
 from engine.__main__ import build_parser as engine_parser
 from engine.options import ENGINE_OPTIONS, PLAYGROUND_DEFAULTS, Option
-from server.options import SERVER_OPTIONS, server_kwargs
+from server.http_edge import HTTPLimits
+from server.options import SERVER_OPTIONS, CORSSettings, server_kwargs
 
 _SAMPLE = {int: "3", float: "0.25", str: "x"}
 
@@ -82,7 +83,8 @@ def test_environment_variables_and_command_line_precedence():
     assert app.engine_kwargs(a)["max_num_seqs"] == 32 and app.engine_kwargs(a)["enable_prefix_caching"] is False
     assert server_kwargs(a) == {"model_name": "m", "max_pending": 256, "rate_limit": 5, "rate_period": 10.0,
                                 "queue_size": 256, "max_request_body_bytes": 4 * 1024 * 1024,
-                                "kv_events_config": None}
+                                "kv_events_config": None, "http_limits": HTTPLimits(), "cors": CORSSettings(),
+                                "special_tokens_in_messages": False}
     b = app.parse_args(["--max-num-seqs", "8", "--enable-prefix-caching", "--no-share", "--policy", "continuous"],
                        env=env)
     assert (b.max_num_seqs, b.enable_prefix_caching, b.share, b.policy) == (8, True, False, "continuous")
@@ -103,3 +105,21 @@ def test_engine_command_line_reads_cbp_variables(monkeypatch):
     monkeypatch.setenv("CBP_PREFILL_CHUNK_TOKENS", "0")
     with pytest.raises(ValueError, match="CBP_PREFILL_CHUNK_TOKENS"):
         build_parser()
+
+
+def test_http_limits_cors_and_special_tokens_options():
+    """The edge's limits, vLLM's CORS flags (a JSON list or commas) and the role-forgery switch reach
+    ``build_server``; credentials with origin '*' and a malformed list stop the app with a usage error."""
+    a = app.parse_args(["--max-header-bytes", "1000", "--max-header-fields", "10", "--max-url-bytes", "500",
+                        "--timeout-request-head", "2.5", "--timeout-request-body", "4", "--timeout-keep-alive", "3",
+                        "--allowed-origins", '["http://a.example", "http://b.example"]', "--allowed-methods", "GET,POST",
+                        "--special-tokens-in-messages"], env={"CBP_ALLOWED_HEADERS": "content-type"})
+    kw = server_kwargs(a)
+    assert kw["http_limits"] == HTTPLimits(max_header_bytes=1000, max_header_fields=10, max_url_bytes=500,
+                                           timeout_request_head=2.5, timeout_request_body=4.0, timeout_keep_alive=3)
+    assert kw["cors"] == CORSSettings(("http://a.example", "http://b.example"), ("GET", "POST"), ("content-type",))
+    assert kw["special_tokens_in_messages"] is True
+    for argv in (["--allowed-origins", "*", "--allow-credentials"], ["--allowed-origins", '["a", 3]'],
+                 ["--timeout-request-head", "0"]):
+        with pytest.raises(SystemExit):
+            app.parse_args(argv, env={})
