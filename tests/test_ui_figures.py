@@ -56,17 +56,19 @@ def test_occupancy_cells_are_slot_request_and_phase():
     K = F.K
     assert [list(r) for r in heat.z] == [[K + 0, 0, 0], [K + 1, 1, K + 2]]  # light = prefill, full = decode
     phases = [[c[1] for c in row] for row in heat.customdata]
-    assert phases == [["prefill", "decode", "decode"], ["prefill", "decode", "prefill"]]
-    assert list(heat.customdata[1][2][2:]) == [5, 5, 0]  # tokens this step, tokens in cache, prefix-cache hit
-    # admissions are marked where they happened, including C taking B's slot
-    assert sorted(zip(adm.x, adm.y)) == [(1, 0), (1, 1), (3, 1)]
+    took = "prefill, took its slot"  # the cell where a request took its slot says so (the ▷ takes no hover)
+    assert phases == [[took, "decode", "decode"], [took, "decode", took]]
+    assert list(heat.customdata[1][2][2:5]) == [5, 5, 0]  # tokens this step, tokens in cache, prefix-cache hit
+    # admissions are marked in the left part of the cell where they happened, including C taking B's slot
+    assert sorted(zip(adm.x, adm.y)) == [(0.7, 0), (0.7, 1), (2.7, 1)]
+    assert adm.hoverinfo == "skip" and "%{customdata[5]}" in heat.hovertemplate
 
 
 def test_occupancy_empty_and_idle_slots():
     seq = [snap(1, [("A", PHASE_IDLE, 0, 9), None], {"A": [0]})]
     heat = F.occupancy_figure(seq).data[0]
     assert list(heat.z[0]) == [F.IDLE_CODE] and list(heat.z[1]) == [None]
-    assert heat.customdata[1][0][0] == ""
+    assert heat.customdata[1][0] is None  # an empty cell has no hover (hoverongaps off) and no data
 
 
 def test_block_map_cells_owner_free_cached_and_reused():
@@ -80,8 +82,8 @@ def test_block_map_cells_owner_free_cached_and_reused():
     ids = [c[0] for row in heat.customdata for c in row]
     assert ids == list(range(NUM_BLOCKS))
     assert [list(c[2:5]) for row in heat.customdata for c in row][:4] == [[4, 1, 0], [4, 1, 0], [4, 1, 1], [1, 1, 0]]
-    # block 2 (row 0, column 2) was handed from B to C: it is the only reused mark
-    assert list(zip(reused.x, reused.y)) == [(2, 0)]
+    # block 2 (row 0, column 2) was handed from B to C: it is the only reused mark (top right of its cell)
+    assert list(zip(reused.x, reused.y)) == [(2.3, -0.25)]
     assert len(shared.x) == 0
 
 
@@ -92,7 +94,7 @@ def test_block_map_shared_block_and_grid_shape():
     assert len(heat.z) == 3 and all(len(r) == 3 for r in heat.z)  # 8 blocks in 3 columns: 3 rows
     assert heat.z[2][2] is None  # past the last block
     assert heat.customdata[0][0][1] == "A, D" and heat.customdata[0][0][3] == 2
-    assert list(zip(shared.x, shared.y)) == [(0, 0)]
+    assert list(zip(shared.x, shared.y)) == [(-0.3, 0.25)]  # bottom left of block 0's cell
     assert heat.z[1][1] == 4  # block 4 belongs to D
 
 
@@ -323,11 +325,13 @@ def test_block_map_before_the_first_step_shows_the_free_pool():
 
 def test_block_map_marks_cells_past_the_pool():
     s = snap(1, [("A", PHASE_DECODE, 1, 5), None], {"A": [0, 1]})
-    outside = F.block_map_figure(s, {"A": 0}, columns=3).data[5]
+    fig = F.block_map_figure(s, {"A": 0}, columns=3)
+    outside = fig.data[5]
     assert list(zip(outside.x, outside.y)) == [(2, 2)] and outside.name == "not in the pool"
-    assert outside.showlegend and outside.marker.symbol == "x-thin"
-    full = F.block_map_figure(s, {"A": 0}, columns=4).data[5]  # 8 blocks fill two rows of 4
-    assert len(full.x) == 0 and not full.showlegend
+    assert outside.marker.symbol == "x-thin" and outside.hoverinfo == "skip"
+    assert "not in the pool" in [tr.name for tr in fig.data if tr.showlegend is not False]
+    full = F.block_map_figure(s, {"A": 0}, columns=4)  # 8 blocks fill two rows of 4: no such cells, no entry
+    assert len(full.data[5].x) == 0 and "not in the pool" not in [tr.name for tr in full.data if tr.showlegend is not False]
     from ui.i18n import figure_labels
 
     assert F.block_map_figure(s, labels=figure_labels("ko"), columns=3).data[5].name == "풀 밖"
@@ -454,7 +458,7 @@ def test_occupancy_hover_shows_prefix_cache_hit_tokens():
     s = replace(s, batch_slots=(BatchSlotSnapshot(0, "A", PHASE_PREFILL, 4, 20, 20, num_cached_tokens=16),
                                 BatchSlotSnapshot(1, None, PHASE_IDLE)))
     heat = F.occupancy_figure([s]).data[0]
-    assert heat.customdata[0][0][4] == 16 and heat.customdata[1][0][4] == 0
+    assert heat.customdata[0][0][4] == 16 and heat.customdata[1][0] is None
     assert "prefix-cache hit tokens: %{customdata[4]}" in heat.hovertemplate
     from ui.i18n import figure_labels
 

@@ -140,6 +140,7 @@ def block_tiles_spec(snap: StepSnapshot | None, colors: Mapping[str, int] | None
     every = max(1, rows // 8)
     layout["yaxis"].update(tickvals=list(range(0, rows, every)), ticktext=[f"{r * cols * g:,}" for r in range(0, rows, every)])
     layout["title"] = {"text": L["tile_fmt"].format(g=g), "font": {"size": 12}, "x": 0.01, "y": 0.98}
+    layout["margin"] = {**layout["margin"], "t": 30}  # room for that title
     return spec
 
 

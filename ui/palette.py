@@ -98,35 +98,57 @@ def default_colors(snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
     return {rid: i % K for i, rid in enumerate(request_order(snapshots))}
 
 
-class ColorAssigner:
-    """Stable request -> palette index across refreshes, never reusing a colour held by a live request.
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-    A new request gets the palette index unused for the longest time among those not held by a
-    request seen in the latest update, so the requests on screen at once have distinct colours
-    (as long as there are fewer than ``len(PALETTE)`` of them). :meth:`reserve` gives a request its colour
-    before it is drawn (a chat's status line names it while the request still waits); a reserved colour
-    counts as held until the request shows up in an update.
+
+def request_label(index: int, letter: str, lang: str = "en") -> str:
+    """How the page names a request aloud: its colour's name and its letter, e.g. ``"teal D"``."""
+    return f"{color_name(index, lang)} {letter}"
+
+
+class ColorAssigner:
+    """Stable request -> palette index and letter across refreshes, never reusing a colour held by a live request.
+
+    A new request gets the palette index unused for the longest time among those not held by a request
+    seen in the latest update (the window drawn), so the requests on screen at once have distinct colours
+    as long as there are at most ``len(PALETTE)`` of them. With more, it takes a colour not held by a
+    request of the newest step drawn (that step holds at most ``max_num_seqs`` requests with slots or
+    blocks), so two requests that run at the same step never share a colour while ``max_num_seqs <=
+    len(PALETTE)``. Letters go A, B, ... Z, A, ... in the order requests get their colour, so the panels and
+    every line can name a request "teal D". :meth:`reserve` gives a request its colour before it is drawn
+    (a chat's status line names it while the request still waits); a reserved colour counts as held until
+    the request shows up in an update.
     """
 
     def __init__(self, memory: int = 4096) -> None:
         self._index: dict[str, int] = {}
+        self._letter: dict[str, str] = {}
+        self._count = 0  # requests given a colour so far (the next letter)
         self._last_used = [0] * K
         self._tick = itertools.count(1)
         self._memory = memory
         self._reserved: dict[str, None] = {}  # given a colour before being drawn, oldest first
         self._on_screen: set[int] = set()  # colours of the requests in the latest update
+        self._current: set[int] = set()  # colours of the requests in the newest step of the latest update
 
-    def _pick(self, live: set[int]) -> int:
-        free = [i for i in range(K) if i not in live] or list(range(K))
+    def _pick(self, live: set[int], current: set[int] | None = None) -> int:
+        free = ([i for i in range(K) if i not in live] or [i for i in range(K) if i not in (current or set())]
+                or list(range(K)))
         return min(free, key=lambda i: self._last_used[i])
+
+    def _give(self, request_id: str, index: int) -> None:
+        self._index[request_id] = index
+        self._letter[request_id] = LETTERS[self._count % len(LETTERS)]
+        self._count += 1
 
     def reserve(self, request_id: str) -> int:
         """The palette index of ``request_id``, given now if it has none (its colour is then kept for it: it
         counts as held by a live request until the request is drawn; at most 64 reservations are kept)."""
         if request_id in self._index:
             return self._index[request_id]
-        idx = self._pick(self._on_screen | {self._index[r] for r in self._reserved})
-        self._index[request_id] = idx
+        idx = self._pick(self._on_screen | {self._index[r] for r in self._reserved},
+                         self._current | {self._index[r] for r in self._reserved})
+        self._give(request_id, idx)
         self._last_used[idx] = next(self._tick)
         self._reserved[request_id] = None
         while len(self._reserved) > 64:
@@ -136,22 +158,37 @@ class ColorAssigner:
     def update(self, snapshots: Sequence[StepSnapshot]) -> dict[str, int]:
         """Assign colours to the requests in ``snapshots``; return the mapping for all of them."""
         order = request_order(snapshots)
+        newest = set(request_order(snapshots[-1:]))
         for rid in order:
             self._reserved.pop(rid, None)  # drawn now: an ordinary live request
-        live = {self._index[r] for r in order if r in self._index} | {self._index[r] for r in self._reserved}
+        reserved = {self._index[r] for r in self._reserved}
+        live = {self._index[r] for r in order if r in self._index} | reserved
+        current = {self._index[r] for r in newest if r in self._index} | reserved
         for rid in order:
             if rid not in self._index:
-                idx = self._pick(live)
-                self._index[rid] = idx
+                idx = self._pick(live, current)
+                self._give(rid, idx)
                 live.add(idx)
+                if rid in newest:
+                    current.add(idx)
             self._last_used[self._index[rid]] = next(self._tick)
         self._on_screen = {self._index[r] for r in order}
+        self._current = {self._index[r] for r in newest}
         if len(self._index) > self._memory:  # forget the oldest entries (dicts keep insertion order)
             for rid in list(self._index)[: len(self._index) - self._memory // 2]:
                 if rid not in order and rid not in self._reserved:
                     del self._index[rid]
+                    self._letter.pop(rid, None)
         return {rid: self._index[rid] for rid in order}
 
     def index_of(self, request_id: str) -> int | None:
         """The palette index given to ``request_id`` by :meth:`update`, or None if it has none (yet)."""
         return self._index.get(request_id)
+
+    def letter_of(self, request_id: str) -> str | None:
+        """The letter given to ``request_id`` with its colour (A, B, ... Z, A, ...), or None if it has none."""
+        return self._letter.get(request_id)
+
+    def letters(self, request_ids) -> dict[str, str]:
+        """Request id -> letter, for the ids that have one."""
+        return {r: self._letter[r] for r in request_ids if r in self._letter}
