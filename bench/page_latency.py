@@ -114,14 +114,18 @@ def open_page(context, url: str, timeout_s: float = 60.0, hidden: bool = False):
     return page
 
 
-def first_panel(context, url: str, loads: int, timeout_s: float = 60.0) -> list[float]:
-    """Seconds from navigation start to the first drawn panel, for ``loads`` fresh tabs (inf: none in time)."""
+def first_panel(context, url: str, loads: int, timeout_s: float = 60.0, marks: list | None = None) -> list[float]:
+    """Seconds from navigation start to the first drawn panel, for ``loads`` fresh tabs (inf: none in time);
+    ``marks`` collects each load's milestones (ms: the live script ran, plotly.js ready, the panels' place
+    rendered by Gradio, first panel drawn)."""
     out = []
     for _ in range(loads):
         page = None
         try:
             page = open_page(context, url, timeout_s)
             out.append(history(page)[0][0] / 1000)
+            if marks is not None:
+                marks.append(page.evaluate("() => window.cbpLive.marks"))
         except Exception as exc:  # a slow tab is a figure, not a crash
             print(f"  first panel: no panel in {timeout_s:.0f} s ({type(exc).__name__})", flush=True)
             out.append(NOT_SHOWN)
@@ -293,8 +297,11 @@ def run_round(ctx, url: str, engine, demo, args, label: str, guests_n: int, hidd
                 res["guests_failed"] = res.get("guests_failed", 0) + 1
         start_load(loadgen, demo.cbp_live.loop)
         steady(engine, slots)
-        res["first_panel"] = first_panel(ctx, url, args.loads)
-        print(f"[{label}] first panel:", fmt(res["first_panel"]), flush=True)
+        res["marks"] = []
+        res["first_panel"] = first_panel(ctx, url, args.loads, marks=res["marks"])
+        print(f"[{label}] first panel:", fmt(res["first_panel"]), "; milestones (ms, median):",
+              {k: round(pct([m[k] for m in res["marks"] if k in m], 50)) for k in ("script", "plotly", "panels", "drawn")},
+              flush=True)
         presenter.bring_to_front()
         res["step"] = step_latency(presenter, engine, args.presses)
         print(f"[{label}] step press -> panels:", fmt(res["step"]), flush=True)
@@ -377,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--talk", action="store_true", help="serve the talk preset (python app.py --talk)")
     p.add_argument("--busy", type=int, default=0, metavar="N", help="run N busy-loop processes beside it")
     p.add_argument("--all-visible", action="store_true", help="add a round with every tab visible")
+    p.add_argument("--one-tab", action="store_true", help="only the 1-tab round")
     p.add_argument("--tiny", action="store_true", help="a tiny random-weight model instead of SmolLM2")
     p.add_argument("--refresh", type=float, default=0.2, help="the page's poll period (--refresh of app.py)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -409,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
             rounds = [("1 tab", 0, False), (f"{args.tabs} tabs, {args.tabs - 1} in the background", args.tabs - 1, True)]
             if args.all_visible:
                 rounds.append((f"{args.tabs} tabs, all visible", args.tabs - 1, False))
+            if args.one_tab:
+                rounds = rounds[:1]
             for label, guests, hidden in rounds:
                 try:
                     results.append(run_round(ctx, url, engine, demo, args, label, guests, hidden, cfg.max_num_seqs))

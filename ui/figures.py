@@ -59,6 +59,7 @@ from ui.palette import (  # noqa: F401  (re-exported: the figures' colour code)
     GRID_COLOR,
     IDLE_CODE,
     IDLE_COLOR,
+    LETTERS,
     MINE_COLOR,
     OUTSIDE_MARK_COLOR,
     PALETTE,

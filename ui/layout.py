@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import time
 from typing import Any
 
@@ -58,12 +59,17 @@ CSS = f"""
 """ + INVARIANCE_CSS
 
 
-def live_html(session: str = "") -> str:
-    """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request and both
-    panels; ``session`` (Gradio's session hash, set at page load) tells the poller which tab it is."""
-    return (f'<div id="cbp-live" data-cbp-session="{session}" data-cbp-ready="{int(bool(session))}">'
-            '<div id="pace-status"></div><div id="mine"></div><div id="cbp-hover"></div>'
+def live_html() -> str:
+    """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request, the hovered
+    cell's line and both panels. It is never replaced (the panels drawn before the page's load event stay)."""
+    return ('<div id="cbp-live"><div id="pace-status"></div><div id="mine"></div><div id="cbp-hover"></div>'
             '<div id="occupancy" class="cbp-panel"></div><div id="blockmap" class="cbp-panel"></div></div>')
+
+
+def session_html(session: str = "") -> str:
+    """A hidden mark that tells the poller which tab it is (Gradio's session hash, set at page load)."""
+    return f'<span id="cbp-session" data-cbp-session="{html.escape(session)}" hidden></span>'
+
 
 
 def counters_html() -> str:
@@ -218,7 +224,7 @@ def build_app(
         session = session_of(request)
         host = is_host_page(host_key, given_key)
         live.open(session, host)
-        return (engine_summary(engine, model_name, lang_of(request)), live_html(session),
+        return (engine_summary(engine, model_name, lang_of(request)), session_html(session),
                 *(gr.update(interactive=host) for _ in range(9)), gr.update(value=live.view(session).window))
 
     def set_window(steps: float, request: gr.Request) -> None:
@@ -278,7 +284,8 @@ def build_app(
                         handover_btn = gr.Button(t("next_handover"), size="sm", scale=0, elem_id="next-handover")
                         reuse_btn = gr.Button(t("next_reuse"), size="sm", scale=0, elem_id="next-reuse")
                         talk_btn = gr.Button(t("talk_preset"), size="sm", scale=0, elem_id="talk-preset")
-                    live_area = gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
+                    gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
+                    session_area = gr.HTML(session_html(), padding=False, elem_id="cbp-session-area")
                     with gr.Row():
                         slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=2,
                                          elem_id="slow-motion")
@@ -300,7 +307,7 @@ def build_app(
         commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
         api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
 
-        demo.load(on_load, given_key, [summary_md, live_area, pause_btn, resume_btn, step_btn, slow, start_btn,
+        demo.load(on_load, given_key, [summary_md, session_area, pause_btn, resume_btn, step_btn, slow, start_btn,
                                        stop_btn, handover_btn, reuse_btn, talk_btn, window_steps],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")

@@ -14,7 +14,7 @@
   // [[ms since navigation start, step drawn]], timings of the last draws, hold(on) to stop the script
   const st = { key: null, after: null, sid: null, busy: false, again: false, timer: null, committed: new Set(),
     drawn: {}, history: [], timings: [], queue: [], drawing: false, held: false, template: null, wait: 0,
-    last: null, frames: 0 };
+    last: null, frames: 0, marks: { script: performance.now() } };
   window.cbpLive = st;
 
   const $ = (id) => document.getElementById(id);
@@ -126,6 +126,7 @@
     st.lastDrawn = f.key;
     st.last = f;
     st.history.push([t2, f.drawn]); // [ms since navigation start, step drawn]
+    if (!st.marks.drawn) st.marks.drawn = t2;
     if (st.history.length > 4000) st.history.splice(0, 1000);
     st.timings.push({ step: f.drawn, occupancy: t1 - t0, blocks: t2 - t1, fetch: f.fetchMs, parse: f.parseMs,
       queued: t0 - f.arrived });
@@ -163,35 +164,48 @@
     pump();
   }
 
+  // the first frame is asked for as soon as this script runs, while Gradio still builds the page
+  function liveUrl(q) {
+    const url = new URL("cbp/live", base);
+    url.search = new URLSearchParams(q).toString();
+    return url;
+  }
+  let early = fetch(liveUrl({ session: "", since: "", rates: 0, figs: document.hidden ? 0 : 1, template: 1 }),
+    { cache: "no-store" }).then((r) => (r.ok ? r.text() : null)).catch(() => null);
+
   async function poll() {
     if (st.held) return;
+    if (window.Plotly && !st.marks.plotly) st.marks.plotly = performance.now();
+    if ($("occupancy") && !st.marks.panels) st.marks.panels = performance.now();
     if (!window.Plotly || !$("occupancy")) return schedule(0.05); // the page is still being built
+    if (!st.marks.ready) st.marks.ready = performance.now(); // plotly.js and the panels' place are there
     if (st.busy) { st.again = true; return; }
     st.busy = true;
     const sid = session();
-    if (sid !== st.sid) { // the page's load event named this tab: its panels were just re-created
+    if (sid !== st.sid) { // the page's load event named this tab: ask for its own view (its request outlined)
       st.sid = sid;
       st.key = null;
-      if (st.last) { st.queue.push(st.last); pump(); }
     }
     const rates = $("rates");
     const wantRates = rates && rates.offsetParent !== null ? 1 : 0;
     if (wantRates && !st.ratesDrawn) st.key = null; // the accordion just opened: ask for the figures again
     st.ratesDrawn = wantRates;
-    const url = new URL("cbp/live", base);
     // a hidden tab asks for no figures (nothing is built or drawn for it); it catches up when shown again
     const figs = document.hidden ? 0 : 1;
     const q = { session: sid, since: st.key || "", rates: wantRates, figs };
     if (st.after !== null) q.after = st.after;
     if (st.wait) { q.wait = st.wait; st.wait = 0; }
     if (!st.template) q.template = 1;
-    url.search = new URLSearchParams(q).toString();
     let next = document.hidden ? HIDDEN_REFRESH : REFRESH;
     try {
       const t0 = performance.now();
-      const r = await fetch(url, { cache: "no-store" });
-      if (r.ok) {
-        const body = await r.text();
+      let body = early && !sid ? await early : null;
+      early = null;
+      if (body === null) {
+        const r = await fetch(liveUrl(q), { cache: "no-store" });
+        body = r.ok ? await r.text() : null;
+      }
+      if (body !== null) {
         const t1 = performance.now();
         const f = JSON.parse(body);
         take(f, t1 - t0, performance.now() - t1);

@@ -1,9 +1,10 @@
-"""Request colours of the live panels: a hand-chosen palette of named colours, the heatmap's colour codes,
-and the assignment of colours to requests that keeps the requests on screen at once apart.
+"""Request colours of the live panels: a palette of named colours, the heatmap's colour codes, and the
+assignment of colours and letters to requests that keeps the requests on screen at once apart.
 
 Every colour has a name a presenter can say aloud ("the teal request"): :data:`PALETTE_NAMES`,
-:func:`color_name`. tests/test_ui_figures.py checks that all its colours, their light (prefill) shades, grey,
-white and the cached colour are far apart in CIELAB (CIEDE2000).
+:func:`color_name`; with its letter a request is "teal D" (:func:`request_label`). tests/test_ui_palette.py
+checks that all its colours, their light (prefill) shades, grey, white and the cached colour are far apart in
+CIELAB (CIEDE2000), also as a washed-out projector shows them.
 """
 
 from __future__ import annotations
@@ -16,23 +17,27 @@ import plotly.colors as pc
 from engine.telemetry import StepSnapshot
 
 # (hex, English name, Korean name); the first ones are the most distinct, since requests take them first.
+# Chosen by a search over sRGB for the largest smallest CIEDE2000 distance between any two colours, on a white
+# screen and on a washed-out projector (25% ambient light added in linear RGB), and between each colour and the
+# light (prefill) shades, grey, white and the grid (tests/test_ui_palette.py): olive, ochre, brown and gold, and
+# purple and violet, of an earlier hand-picked palette were 7-10 apart on a projector, these at least 11.
 _NAMED_COLORS: tuple[tuple[str, str, str], ...] = (
-    ("#4265E9", "blue", "파랑"),
-    ("#EE7B27", "orange", "주황"),
-    ("#16A442", "green", "초록"),
-    ("#FA1531", "red", "빨강"),
-    ("#8231C0", "purple", "보라"),
-    ("#A2481A", "brown", "갈색"),
-    ("#E631A4", "magenta", "자홍"),
-    ("#098385", "teal", "청록"),
-    ("#BA9811", "gold", "금색"),
-    ("#202386", "navy", "남색"),
-    ("#728202", "olive", "올리브"),
-    ("#7F0E25", "maroon", "밤색"),
-    ("#B861F6", "violet", "연보라"),
-    ("#4CA1D5", "sky blue", "하늘색"),
-    ("#226509", "dark green", "진초록"),
-    ("#886611", "ochre", "황토색"),  # was plum #903770: beside purple it looked the same on a projector
+    ("#3C87FF", "blue", "파랑"),
+    ("#FF870F", "orange", "주황"),
+    ("#00B44B", "green", "초록"),
+    ("#FF4B2D", "red", "빨강"),
+    ("#965AFF", "violet", "보라"),
+    ("#B48700", "gold", "금색"),
+    ("#FF4BE1", "pink", "분홍"),
+    ("#0FA596", "teal", "청록"),
+    ("#3C3CA5", "indigo", "남색"),
+    ("#A55A00", "brown", "갈색"),
+    ("#96A51E", "olive", "올리브"),
+    ("#871E3C", "maroon", "밤색"),
+    ("#963C96", "plum", "자주"),
+    ("#0087A5", "sea blue", "바다색"),
+    ("#3C691E", "dark green", "진초록"),
+    ("#E12D78", "rose", "장미색"),
 )
 PALETTE: tuple[str, ...] = tuple(c for c, _, _ in _NAMED_COLORS)  # request colours (hex), 16
 PALETTE_NAMES: dict[str, tuple[str, ...]] = {
