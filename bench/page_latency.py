@@ -227,6 +227,34 @@ def full_speed_lag(page, engine, seconds: float) -> list[float]:
     return out
 
 
+def compare_runs(context, url: str, runs: int = 3, timeout_s: float = 60.0) -> list[float]:
+    """Seconds from pressing Compare's Run (classic preset) to both grids drawn with the new headline, for
+    ``runs`` runs in a fresh tab (inf: not in time)."""
+    out: list[float] = []
+    page = context.new_page()
+    page.set_default_timeout(timeout_s * 1000)
+    try:
+        page.goto(url)
+        page.click("button[role=tab][data-tab-id=compare]")
+        for _ in range(runs):
+            try:
+                page.evaluate("() => { for (const p of document.querySelectorAll('#compare-static .js-plotly-plot, "
+                              "#compare-continuous .js-plotly-plot')) p.remove(); }")
+                t0 = time.monotonic()
+                page.click("#compare-run")
+                page.wait_for_function("() => /fewer|same|more/.test(document.querySelector('#compare-summary').innerText)"
+                                       " && document.querySelectorAll('#compare-static .heatmaplayer image, "
+                                       "#compare-continuous .heatmaplayer image').length === 2")
+                out.append(time.monotonic() - t0)
+                page.evaluate("() => { document.querySelector('#compare-summary').innerText = ''; }")
+            except Exception as exc:
+                print(f"  compare: {type(exc).__name__}", flush=True)
+                out.append(NOT_SHOWN)
+    finally:
+        page.close()
+    return out
+
+
 def hold(pages, on: bool) -> None:
     """Stop (``on``) or restart every page's live script (no polls, no drawing while held)."""
     for p in pages:
@@ -317,6 +345,10 @@ def run_round(ctx, url: str, engine, demo, args, label: str, guests_n: int, hidd
         print(f"[{label}] engine tokens/s, same phase: {with_page:.1f} with the page vs {alone:.1f} held "
               f"({with_page / alone if alone else float('nan'):.2f}x)", flush=True)
         res["timings"] = presenter.evaluate("() => window.cbpLive.timings || null")
+        if not guests_n:
+            start_load(loadgen, demo.cbp_live.loop)
+            res["compare"] = compare_runs(ctx, url)
+            print(f"[{label}] Compare run (classic preset), click to both grids:", fmt(res["compare"]), flush=True)
     finally:
         loadgen.stop()
         for p in pages:
@@ -338,6 +370,7 @@ def table(results: list[dict]) -> str:
             ("Step press -> panels show that step", lambda r: p(r["step"])),
             ("slow motion 0.5 s/step: steps not drawn", lambda r: f"{r['slow_skipped']} of {r['slow_made']}"),
             ("full speed: age of the step after the drawn one", lambda r: p(r["lag"])),
+            ("Compare: classic preset, click to both grids", lambda r: p(r["compare"])),
             ("engine tokens/s with the page / held (same phase)",
              lambda r: f"{r['tps_page']:.0f} / {r['tps_alone']:.0f} ({r['tps_page'] / r['tps_alone']:.2f}x)"
              if r.get("tps_alone") else "-"),

@@ -345,7 +345,7 @@ def build_app(
                             concurrency_limit=None),
             slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False),
             talk_btn.click(talk_preset, None, [summary_md, window_steps], api_name="talk_preset",
-                           api_visibility=pacing_api, concurrency_limit=1),
+                           api_visibility=pacing_api, concurrency_limit=1, show_progress="hidden"),
         ):
             event.then(None, None, None, js=poll_now, api_visibility="private", queue=False)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures
