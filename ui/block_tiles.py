@@ -106,7 +106,7 @@ def block_tiles_spec(snap: StepSnapshot | None, colors: Mapping[str, int] | None
     size = np.minimum(g, n - np.arange(tiles) * g)
     z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
     cd: list[list] = [[(-1, -1, "", 0, 0, 0, 0, 0, 0)] * cols for _ in range(rows)]
-    marks: list[tuple[list[float], list[int]]] = [([], []) for _ in range(4)]
+    marks: list[tuple[list[float], list[float]]] = [([], []) for _ in range(4)]
     for i in range(tiles):
         r, c = divmod(i, cols)
         if used[i]:

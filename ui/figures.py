@@ -146,7 +146,8 @@ def occupancy_spec(
     z: list[list[int | None]] = [[None] * len(steps) for _ in range(n_slots)]
     cd: list[list[tuple | None]] = [[None] * len(steps) for _ in range(n_slots)]
     phase_name = {PHASE_PREFILL: L["prefill"], PHASE_DECODE: L["decode"], PHASE_IDLE: L["idle"]}
-    names = {rid: request_label(colors.get(rid, 0), letter, lang) for rid, letter in (letters or {}).items()}
+    letters = letters or {}
+    names = {rid: request_label(colors.get(rid, 0), letter, lang) for rid, letter in letters.items()}
     adm_x: list[float] = []
     adm_y: list[int] = []
     text_at: tuple[list, list, list, list] = ([], [], [], [])  # x, y, letter, ink
@@ -157,7 +158,7 @@ def occupancy_spec(
     cell = min(cell_px(PLOT_WIDTH_1366, window or len(steps) or DEFAULT_WINDOW), cell_px(plot_h, n_slots or 1))
     for i, snap in enumerate(snapshots):
         admitted = set(snap.admitted)
-        held = [None] * n_slots
+        held: list[str | None] = [None] * n_slots
         for s in snap.batch_slots:
             rid = s.request_id
             if rid is None:
