@@ -40,7 +40,7 @@ from ui.invariance import build_invariance_section
 PLOT_HEIGHT = 280  # pixels per grid: header, controls, headline and both grids fit a 1366x768 screen
 # pixels around each grid's plot area: the title above, tick labels and axis title below, the request legend
 # at the right (outside the grid); with no margin auto-expansion the plot area is 214 px, 76% of the figure
-COMPARE_MARGIN = {"t": 30, "b": 36, "l": 50, "r": 96, "autoexpand": False}
+COMPARE_MARGIN = {"t": 30, "b": 36, "l": 50, "r": 120, "autoexpand": False}
 
 # where the Compare tab takes its loaded model and tokenizer from (see :func:`model_of`)
 ModelSource: TypeAlias = AsyncEngine | EngineCore | LLM | tuple[Any, Any]
@@ -285,6 +285,36 @@ def headline_markdown(runs: dict[str, PolicyRun], lang: str = "en") -> str:
                          delta=delta)
 
 
+# Each grid is drawn by the page's own plotly.js (the cartesian bundle the live panels load, ui/live.py) from
+# the figure's JSON: a gr.Plot would load Gradio's own plotly.js (4.6 MB) on the first run in a tab, which took
+# seconds on a busy 2-core laptop.
+DRAW_GRID_JS = """
+const draw = () => {
+  const div = element.querySelector('.cbp-fig');
+  if (!div || !props.value) return;
+  const go = () => { const fig = JSON.parse(props.value);
+    window.Plotly.react(div, fig.data, fig.layout, {displayModeBar: false, responsive: true}); };
+  if (window.Plotly) go(); else { const t = setInterval(() => { if (window.Plotly) { clearInterval(t); go(); } }, 50); }
+};
+draw();
+watch('value', draw);
+"""
+
+
+def _grid(elem_id: str) -> gr.HTML:
+    """One grid's place: a gr.HTML whose value is a Plotly figure's JSON, drawn by :data:`DRAW_GRID_JS`."""
+    return gr.HTML("", html_template=f'<div class="cbp-fig" style="height: {PLOT_HEIGHT}px"></div>',
+                   js_on_load=DRAW_GRID_JS, scale=1, min_width=300, min_height=PLOT_HEIGHT, elem_id=elem_id)
+
+
+# the grids' frame (the page's CSS, ui/layout.py): a border like the other boxes', no padding to eat the plot
+COMPARE_CSS = """
+#compare-static .cbp-fig, #compare-continuous .cbp-fig { border: 1px solid var(--border-color-primary);
+  border-radius: var(--block-radius); overflow: hidden; }
+#compare-static .html-container, #compare-continuous .html-container { padding: 0; }
+"""
+
+
 def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str, Any]:
     """Create the Compare tab's components in the current Gradio context (call inside ``with gr.Tab(...)``).
 
@@ -301,8 +331,8 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
 
     Returns:
         The components by name: ``preset``, ``run``, ``summary`` (the headline), ``static``, ``continuous``.
-        The button's event is the API endpoint ``/compare`` (preset key -> headline, static figure,
-        continuous figure), one run at a time.
+        The button's event is the API endpoint ``/compare`` (preset key -> headline, static figure and
+        continuous figure as Plotly JSON text), one run at a time.
     """
     t = i18n.t
 
@@ -312,7 +342,7 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
         preset = PRESETS.get(key) or PRESETS[default]
         runs = run_compare(schedule_model(model, tokenizer), tokenizer, preset)
         fig_s, fig_c = compare_figures(runs, lang=lang)
-        return headline_markdown(runs, lang), fig_s, fig_c
+        return headline_markdown(runs, lang), fig_s.to_json(), fig_c.to_json()
 
     with gr.Row(equal_height=True, elem_id="compare-controls"):
         choices = [(t(p.i18n_key) if p.i18n_key else p.title, k) for k, p in PRESETS.items()]
@@ -321,9 +351,8 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
         run = gr.Button(t("cmp_run"), variant="primary", scale=1, min_width=200, elem_id="compare-run")
     summary = gr.Markdown(t("cmp_hint"), elem_id="compare-summary")
     with gr.Row(equal_height=True, elem_id="compare-plots"):
-        static = gr.Plot(label=t("cmp_static"), show_label=False, scale=1, min_width=300, elem_id="compare-static")
-        continuous = gr.Plot(label=t("cmp_continuous"), show_label=False, scale=1, min_width=300,
-                             elem_id="compare-continuous")
+        static = _grid("compare-static")
+        continuous = _grid("compare-continuous")
     gr.Markdown(t("cmp_note"), elem_classes="cbp-note", elem_id="compare-note")
     # Gradio's own progress text ("processing | 1.2s") has no translation: hidden, the headline says it instead
     def on_start(request: gr.Request) -> str:

@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.options import TALK_PRESET
 from ui import talk
 from ui.chat import ChatHandlers, session_of
-from ui.compare import build_compare_tab
+from ui.compare import COMPARE_CSS, build_compare_tab
 from ui.i18n import EMBEDDED_MODEL, I18N, SUMMARY_TEXTS, language, state_text, t
 from ui.invariance import INVARIANCE_CSS
 from ui.live import LiveChannel, head_html
@@ -56,7 +56,7 @@ CSS = f"""
 #live-reply-text {{ white-space: pre-wrap; }}
 #load-status {{ font-variant-numeric: tabular-nums; min-height: 1.4em; }}
 #load-status-label {{ font-size: 0.85em; opacity: 0.75; margin-bottom: 0; }}
-""" + INVARIANCE_CSS
+""" + INVARIANCE_CSS + COMPARE_CSS
 
 
 def live_html() -> str:
