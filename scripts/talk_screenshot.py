@@ -82,13 +82,13 @@ def block_handover(page, engine) -> None:
     time.sleep(1.5)  # the panels catch up
     page.locator("#pacing").scroll_into_view_if_needed()
     page.evaluate("document.querySelector('#pacing').scrollIntoView({block: 'start'})")
-    if take is not None:  # hover the block: its tooltip says whose it was and when it was freed
-        page.evaluate("""(b) => { const gd = document.querySelector('#blockmap .js-plotly-plot');
-            const cols = gd.data[0].z[0].length;
-            const r = Math.floor(b / cols), c = b % cols;
-            const x = gd.data[0].x ? gd.data[0].x[c] : c, y = gd.data[0].y ? gd.data[0].y[r] : r;
-            window.Plotly.Fx.hover(gd, {xval: x, yval: y}); }""",
-                      take.block_id)
+    if take is not None:  # hover the block: the line above the panels says whose it was and when it was freed
+        at = page.evaluate("""(b) => { const gd = document.querySelector('#blockmap .js-plotly-plot');
+            const cols = gd.data[0].z[0].length, L = gd._fullLayout;
+            const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            return [box.left + L.xaxis.l2p(b % cols), box.top + L.yaxis.l2p(Math.floor(b / cols))]; }""",
+                           take.block_id)
+        page.mouse.move(at[0], at[1])
         time.sleep(0.5)
     print(f"paused at step {engine.step_count}; block {take and take.block_id} was {take and take.previous_owner}'s")
 
