@@ -105,7 +105,7 @@ def test_pace_lines_name_requests_by_colour_and_letter_with_ids_on_hover(stage):
     try:
         _talk(stage, page)
         page.click("#next-handover")
-        page.wait_for_selector("#pace-status:has-text('hand-over')", timeout=60_000)
+        page.wait_for_selector("#pace-status:has-text('hand-over · slot')", timeout=60_000)
         line = page.inner_text("#pace-status")
         names = "|".join(re.escape(n) for n in F.PALETTE_NAMES["en"])
         m = re.search(rf"slot (\d+): ({names}) ([A-Z]) → ({names}) ([A-Z])", line)
@@ -117,10 +117,10 @@ def test_pace_lines_name_requests_by_colour_and_letter_with_ids_on_hover(stage):
         assert all(re.match(r"(load|chat)-", title) for _, title in spans)  # the ids, on hover
         # the occupancy panel draws the new holder's letter and colour in that slot at that step
         slot, new_id = int(m.group(1)), spans[1][1]
-        cell = page.evaluate("""([slot, rid]) => { const h = document.querySelector('#occupancy .js-plotly-plot').data[0];
-            const i = h.customdata[slot].findIndex(c => c && c[0] === rid); return h.customdata[slot][i][5]; }""",
-                             [slot, new_id])
-        assert cell == spans[1][0]
+        find = """([slot, rid]) => { const h = document.querySelector('#occupancy .js-plotly-plot').data[0];
+            const c = h.customdata[slot].find(c => c && c[0] === rid); return c ? c[5] : null; }"""
+        page.wait_for_function(find, arg=[slot, new_id])  # the panels reach that step (every step is played)
+        assert page.evaluate(find, [slot, new_id]) == spans[1][0]
     finally:
         stage.engine.resume()
         page.context.close()
@@ -186,8 +186,10 @@ def test_the_panels_keep_their_place_whatever_the_lines_say_and_hover_never_cove
             assert boxes() == first
         # hover on a cell whose ▷ marks an admission: the cell's own text, in the line above the panels
         page.click("#next-handover")  # pauses on the step a request takes a slot
-        page.wait_for_selector("#pace-status:has-text('hand-over ·')", timeout=60_000)
-        page.wait_for_timeout(800)
+        page.wait_for_selector("#pace-status:has-text('hand-over · slot')", timeout=60_000)
+        page.wait_for_function("(step) => { const h = document.querySelector('#occupancy .js-plotly-plot').data[0];"
+                               " return h.x[h.x.length - 1] >= step; }", arg=engine.step_count)  # that step drawn
+        page.wait_for_timeout(300)
         at = page.evaluate("""() => { const gd = document.querySelector('#occupancy .js-plotly-plot');
             const m = gd.data[1]; if (!m.x.length) return null; const L = gd._fullLayout;
             const b = gd.querySelector('.nsewdrag').getBoundingClientRect();

@@ -190,13 +190,17 @@
     const wantRates = rates && rates.offsetParent !== null ? 1 : 0;
     if (wantRates && !st.ratesDrawn) st.key = null; // the accordion just opened: ask for the figures again
     st.ratesDrawn = wantRates;
-    // a hidden tab asks for no figures (nothing is built or drawn for it); it catches up when shown again
-    const figs = document.hidden ? 0 : 1;
+    // a hidden tab, or one showing another tab of the page (Compare), asks for no figures (nothing is built or
+    // drawn for it, and the browser's cores stay free); it catches up when the panels are shown again
+    const shown = !document.hidden && $("occupancy").offsetParent !== null;
+    if (shown && !st.shown) st.key = null;
+    st.shown = shown;
+    const figs = shown ? 1 : 0;
     const q = { session: sid, since: st.key || "", rates: wantRates, figs };
     if (st.after !== null) q.after = st.after;
     if (st.wait) { q.wait = st.wait; st.wait = 0; }
     if (!st.template) q.template = 1;
-    let next = document.hidden ? HIDDEN_REFRESH : REFRESH;
+    let next = shown ? REFRESH : HIDDEN_REFRESH;
     try {
       const t0 = performance.now();
       let body = early && !sid ? await early : null;
@@ -209,7 +213,7 @@
         const t1 = performance.now();
         const f = JSON.parse(body);
         take(f, t1 - t0, performance.now() - t1);
-        if (!document.hidden && f.refresh) next = f.refresh;
+        if (shown && f.refresh) next = f.refresh;
         if (f.behind > 0 && figs) next = 0; // steps not drawn yet: ask for the next one at once
       }
     } catch (e) {
