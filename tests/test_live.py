@@ -193,3 +193,24 @@ def test_lines_name_requests_by_colour_and_letter_with_the_id_on_hover():
     assert line.startswith("‖ **Engine paused** after step 3:")
     refs = ['<span title="x">red D</span>']
     assert markdown_line_html("**slot 2**: \x000\x00 <b>", refs) == '<b>slot 2</b>: <span title="x">red D</span> &lt;b&gt;'
+
+
+def test_the_page_loads_plotlys_cartesian_bundle_of_the_plotly_packages_version():
+    """ui/static holds plotly.js's cartesian partial bundle (the panels use heatmap and scatter traces only):
+    the same plotly.js version as the full bundle the ``plotly`` package ships, so figures built by plotly.py
+    draw the same."""
+    import re
+    from pathlib import Path
+
+    import plotly
+
+    from ui import live
+
+    def version(path: Path) -> str:
+        return re.search(r"v(\d+\.\d+\.\d+)", path.read_text(encoding="utf-8", errors="replace")[:300]).group(1)
+
+    full = Path(plotly.__file__).with_name("package_data") / "plotly.min.js"
+    assert live._plotly_js_path() == live.PLOTLY_CARTESIAN
+    head = live.PLOTLY_CARTESIAN.read_text(encoding="utf-8")[:300]
+    assert "cartesian" in head and version(live.PLOTLY_CARTESIAN) == version(full)
+    assert live.PLOTLY_CARTESIAN.stat().st_size < full.stat().st_size / 2
