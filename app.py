@@ -21,13 +21,15 @@ import time
 from collections.abc import Mapping, Sequence
 
 from engine import options
-from engine.options import PLAYGROUND_DEFAULTS, Option
+from engine.options import PLAYGROUND_DEFAULTS, TALK_PRESET, Option
 from server.options import add_server_options, server_kwargs
 
 UI_OPTIONS: tuple[Option, ...] = (
     Option("refresh", float, 0.2, "seconds between two polls of the live panels by each visible tab", low=0.05),
     Option("host_key", str, "", "talk mode in a shared demo: when set, only a page opened with ?host=<key> may "
            "pause, step or slow the engine (on a Space, set CBP_HOST_KEY as a secret); empty: every page may"),
+    Option("talk", bool, False, "the talk preset, a picture a room can read: 4 batch slots, 96 KV blocks, MRU "
+           "free-block order and a 32-step window (options given explicitly still win)"),
 )
 
 # Remote mode (``--backend-url``): the page drives a remote OpenAI-compatible server instead of a local engine.
@@ -83,9 +85,10 @@ def split_urls(text: str | None) -> list[str]:
 _PARSER_DEFAULTS = {**PLAYGROUND_DEFAULTS, "num_blocks": None}
 
 
-def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The app's parser: the engine's options (playground defaults), the server's, the page's; each
-    defaulting to its ``CBP_*`` variable in ``env`` when given.
+def build_parser(env: Mapping[str, str] | None = None, talk: bool = False) -> argparse.ArgumentParser:
+    """The app's parser: the engine's options (playground defaults, or with ``talk`` the talk preset's,
+    :data:`engine.options.TALK_PRESET`), the server's, the page's; each defaulting to its ``CBP_*`` variable in
+    ``env`` when given.
 
     Raises:
         ValueError: a ``CBP_*`` variable holds an invalid value.
@@ -95,7 +98,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         epilog=f"--num-blocks defaults to {PLAYGROUND_DEFAULTS['num_blocks']} when --kv-cache-memory is not "
                "given. Every option also reads CBP_<OPTION> from the environment, e.g. CBP_PORT=7860.",
     )
-    options.add_engine_options(p, env=env, defaults=_PARSER_DEFAULTS)
+    talk_defaults = {k: v for k, v in TALK_PRESET.items() if k != "num_blocks"} if talk else {}
+    options.add_engine_options(p, env=env, defaults={**_PARSER_DEFAULTS, **talk_defaults})
     add_server_options(p, env=env)
     options.add_options(p, UI_OPTIONS, env=env)
     _add_remote_options(p, env)
@@ -108,14 +112,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     bad option or variable, or when both ``--num-blocks`` and ``--kv-cache-memory`` are given."""
     env = os.environ if env is None else env
     try:
-        p = build_parser(env)
+        p = build_parser(env, talk=_talk_given(argv, env))
     except ValueError as e:  # a CBP_* variable that does not parse
         argparse.ArgumentParser(prog=os.path.basename(__file__)).error(str(e))
     args = p.parse_args(argv)
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         p.error("give --num-blocks or --kv-cache-memory, not both")
     if args.num_blocks is None and args.kv_cache_memory is None:
-        args.num_blocks = PLAYGROUND_DEFAULTS["num_blocks"]
+        args.num_blocks = (TALK_PRESET if args.talk else PLAYGROUND_DEFAULTS)["num_blocks"]
     from server.kv_publisher import parse_kv_events_config
     from server.options import cors_settings
 
@@ -125,6 +129,31 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def _talk_given(argv: Sequence[str] | None, env: Mapping[str, str]) -> bool:
+    """Whether ``--talk`` (or ``CBP_TALK``) asks for the talk preset: read before the full parse, since the
+    preset changes the engine options' defaults (the command line and their own variables still win)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    opt = next(o for o in UI_OPTIONS if o.name == "talk")
+    try:
+        default = opt.from_env(env)
+    except ValueError:  # reported by the full parse
+        default = None
+    pre.add_argument("--talk", action=argparse.BooleanOptionalAction, default=bool(default))
+    known, _rest = pre.parse_known_args(argv)
+    return bool(known.talk)
+
+
+def talk_line(args: argparse.Namespace) -> str:
+    """The start-up line about the talk preset: what it set, or how to get it."""
+    from ui.talk import TALK_WINDOW
+
+    preset = (f"{TALK_PRESET['max_num_seqs']} slots, {TALK_PRESET['num_blocks']} KV blocks, "
+              f"{TALK_PRESET['free_block_order']} free-block order, a {TALK_WINDOW}-step window")
+    if args.talk:
+        return f"talk     preset on ({preset}); slow motion and Step are above the panels"
+    return f"talk     for a room, start with --talk ({preset}) or press the page's Talk preset button"
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -271,8 +300,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     atexit.register(engine.shutdown)
     for line in startup_lines(engine, args, time.perf_counter() - t0, notice):
         print(line, flush=True)
+    print(talk_line(args), flush=True)
+    from ui.talk import TALK_WINDOW
+
     demo = build_app(engine, model_name=args.model, refresh_s=args.refresh, host_key=args.host_key or None,
-                     notice=notice)
+                     notice=notice, **({"window": TALK_WINDOW} if args.talk else {}))
     if args.share:  # a gradio.live link needs demo.launch(); the OpenAI API is not served then
         engine.max_pending = args.max_pending
         launch(demo, server_name=args.host, server_port=args.port, share=True)

@@ -23,7 +23,7 @@ nothing else of it (``tests/test_layout.py`` holds them to that). By group:
   phases ``PHASE_IDLE``, ``PHASE_PREFILL``, ``PHASE_DECODE``; the run-until conditions ``NextHandover``, ``NextBlockReuse``;
 - KV cache events on the wire (vLLM's format): ``KVFeed``, ``to_vllm_events``, ``WireBatch``,
   ``encode_batch``, ``decode_batch``, ``ENCODINGS``;
-- the option declarations ``Option``, ``add_options`` and the prompt bank's ``synthetic_chat``.
+- the option declarations ``Option``, ``add_options``, the talk preset ``TALK_PRESET``, and the prompt bank's ``synthetic_chat``.
 
 Names are imported on first use, so the light ones (options, prompts, the KV wire format) load without
 torch: remote mode runs no model and needs none.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time each is im
     from engine.kv_events import KVFeed, to_vllm_events
     from engine.kv_wire import ENCODINGS, WireBatch, decode_batch, encode_batch
     from engine.llm import LLM
-    from engine.options import Option, add_options
+    from engine.options import TALK_PRESET, Option, add_options
     from engine.prompts import synthetic_chat
     from engine.request import (
         MAX_LOGPROBS,
@@ -95,6 +95,7 @@ _EXPORTS = {
     "ENCODINGS": "engine.kv_wire",
     "Option": "engine.options",
     "add_options": "engine.options",
+    "TALK_PRESET": "engine.options",
     "synthetic_chat": "engine.prompts",
 }
 __all__ = ["LLM", "AsyncEngine", "EngineOverloadedError", "EngineConfig", "EngineCore", "EngineStats",
@@ -102,7 +103,7 @@ __all__ = ["LLM", "AsyncEngine", "EngineOverloadedError", "EngineConfig", "Engin
            "MAX_LOGPROBS", "MAX_N", "MAX_STOP_STRINGS", "SEED_MIN", "SEED_MAX", "RequestError", "PROMPT",
            "Telemetry", "StepSnapshot", "FinishedRequestStats", "PHASE_IDLE", "PHASE_PREFILL", "PHASE_DECODE",
            "NextHandover", "NextBlockReuse", "KVFeed", "to_vllm_events", "WireBatch", "encode_batch",
-           "decode_batch", "ENCODINGS", "Option", "add_options", "synthetic_chat"]
+           "decode_batch", "ENCODINGS", "Option", "add_options", "TALK_PRESET", "synthetic_chat"]
 assert sorted(__all__) == sorted(_EXPORTS)  # one list of names, checked against the lazy-import table
 
 

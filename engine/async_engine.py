@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -333,9 +334,9 @@ class AsyncEngine:
                 for key in (rid, *children):
                     self._parents[key] = parent
                 self._in_core.update(children)
+            self.core.enqueue(req)  # under the lock: :meth:`reconfigure` never swaps the core in between
         finished = False
         try:
-            self.core.enqueue(req)
             self._wake.set()
             while True:
                 out: RequestOutput = await q.get()
@@ -357,6 +358,39 @@ class AsyncEngine:
             self.core.abort_request(rid)
         self._wake.set()
         self._pace.set()
+
+    def reconfigure(self, **changes) -> EngineConfig:
+        """Go on with a fresh core whose settings are this one's with ``changes`` applied (e.g. the talk
+        preset: ``max_num_seqs=4, num_blocks=96, free_block_order="mru"``), on the same loaded model and
+        tokenizer (nothing is loaded again; the new KV pool and packed weights are built while the old core
+        still serves). Every request in flight or queued ends with an error ("the engine was restarted with
+        new settings") and its stream closes; the telemetry, step count and pacing start afresh, so anything
+        holding ``engine.telemetry`` must read it again. The context length is the model's, capped by the new
+        pool, unless ``changes`` gives ``max_model_len``. Call it from any thread except the stepping thread.
+
+        Returns:
+            the new configuration.
+
+        Raises:
+            TypeError: an unknown setting. ValueError: an invalid value (the old core goes on untouched).
+        """
+        old = self.core
+        cfg = dataclasses.replace(old.config, **{"max_model_len": None, **changes})
+        core = EngineCore(cfg, model=old.model, tokenizer=old.tokenizer)
+        running = self.is_running
+        self._stop.set()
+        self._wake.set()
+        self._pace.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:  # no generate() enqueues in between: its request goes to the new core
+            outputs = old.process_inbox() + old.fail_all("the engine was restarted with new settings")
+            self.core, self.pacing = core, core.pacing
+        self._deliver_all(outputs)
+        if running:
+            self.start()
+        log.info("engine reconfigured: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+        return cfg
 
     async def generate_text(self, prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
         """Run a request to the end and return its final output."""

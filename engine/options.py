@@ -152,6 +152,12 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
 # handed over and blocks being recycled. Everything else is the engine's default.
 PLAYGROUND_DEFAULTS: dict[str, object] = {"max_num_seqs": 16, "num_blocks": 384}
 
+# The talk preset (``python app.py --talk``, or the page's Talk preset button): a configuration a room can
+# read on a projector: 4 slot rows of about 45 px, a 96-block map of large cells, and MRU free-block order, so
+# that a waiting request takes exactly the blocks a finished one freed a step before ("A's blocks went to
+# D"). The page's window for it is ``ui.talk.TALK_WINDOW``.
+TALK_PRESET: dict[str, object] = {"max_num_seqs": 4, "num_blocks": 96, "free_block_order": "mru"}
+
 
 def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
                 env: Mapping[str, str] | None = None, defaults: Mapping[str, object] | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Take the README's talk-mode screenshot: the playground on the embedded model, paused mid-handover.
+"""Take the README's talk-mode screenshots: the playground on the embedded model, paused mid-handover.
 
-Starts the app in this process (4 batch slots, 96 KV blocks), opens it in Debian's chromium at 1366x768,
+Starts the app in this process (the talk preset: 4 batch slots, 96 KV blocks), opens it in Debian's chromium at 1366x768,
 adds 16 synthetic chats with the page's load generator, sends one chat from the page, runs the engine in slow
 motion and pauses it in the step right after a waiting request took a finished one's slot while the page's
 own chat runs (outlined); then saves the page.
@@ -13,6 +13,11 @@ where a block freed by one request is taken by another, and the block map shows 
 step (▷) with one of them hovered: whose it was and the step it was freed.
 
     .venv/bin/python scripts/talk_screenshot.py --blocks --out docs/block-handover.png
+
+With ``--compare`` it takes the Compare slide: the Compare tab after one run of the classic preset (the whole
+1366x768 screen), saved as a palette PNG (Pillow) to keep it small.
+
+    .venv/bin/python scripts/talk_screenshot.py --compare --out docs/compare-slide.png
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from playwright.sync_api import sync_playwright  # noqa: E402
 
 from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.options import TALK_PRESET  # noqa: E402
 from ui.layout import build_app, launch  # noqa: E402
+from ui.talk import TALK_WINDOW  # noqa: E402
 
 
 def _free_port() -> int:
@@ -75,15 +82,31 @@ def block_handover(page, engine) -> None:
     time.sleep(1.5)  # the panels catch up
     page.locator("#pacing").scroll_into_view_if_needed()
     page.evaluate("document.querySelector('#pacing').scrollIntoView({block: 'start'})")
-    if take is not None:  # hover the block: its tooltip says whose it was and when it was freed
-        page.evaluate("""(b) => { const gd = document.querySelector('#blockmap .js-plotly-plot');
-            const cols = gd.data[0].z[0].length;
-            const r = Math.floor(b / cols), c = b % cols;
-            const x = gd.data[0].x ? gd.data[0].x[c] : c, y = gd.data[0].y ? gd.data[0].y[r] : r;
-            window.Plotly.Fx.hover(gd, {xval: x, yval: y}); }""",
-                      take.block_id)
+    if take is not None:  # hover the block: the line above the panels says whose it was and when it was freed
+        at = page.evaluate("""(b) => { const gd = document.querySelector('#blockmap .js-plotly-plot');
+            const cols = gd.data[0].z[0].length, L = gd._fullLayout;
+            const box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            return [box.left + L.xaxis.l2p(b % cols), box.top + L.yaxis.l2p(Math.floor(b / cols))]; }""",
+                           take.block_id)
+        page.mouse.move(at[0], at[1])
         time.sleep(0.5)
     print(f"paused at step {engine.step_count}; block {take and take.block_id} was {take and take.previous_owner}'s")
+
+
+def compare_slide(page, out: str) -> None:
+    """Run the classic preset on the Compare tab and save the screen as a palette PNG."""
+    page.click("button[role=tab][data-tab-id=compare]")
+    page.click("#compare-run")
+    for plot in ("#compare-static", "#compare-continuous"):
+        page.wait_for_selector(f"{plot} .js-plotly-plot .heatmaplayer image", state="attached")
+    page.wait_for_function("() => /\\d/.test(document.querySelector('#compare-summary').innerText)")
+    page.wait_for_timeout(1000)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=out)
+    from PIL import Image
+
+    Image.open(out).convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(out, optimize=True)
+    print(f"wrote {out} ({Path(out).stat().st_size // 1024} KB)")
 
 
 def main() -> None:
@@ -93,11 +116,11 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1366)
     p.add_argument("--height", type=int, default=768)
     p.add_argument("--blocks", action="store_true", help="the block hand-over picture (see above)")
+    p.add_argument("--compare", action="store_true", help="the Compare slide (see above)")
     args = p.parse_args()
 
-    order = {"free_block_order": "mru"} if args.blocks else {}
-    engine = AsyncEngine.from_args(max_num_seqs=4, num_blocks=96, block_size=16, **order)
-    demo = build_app(engine, refresh_s=0.25, window=48)
+    engine = AsyncEngine.from_args(block_size=16, **TALK_PRESET)
+    demo = build_app(engine, refresh_s=0.25, window=TALK_WINDOW)
     port = _free_port()
     launch(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
@@ -107,6 +130,10 @@ def main() -> None:
             page.set_default_timeout(120_000)
             page.goto(f"http://127.0.0.1:{port}/")
             page.wait_for_selector("#msg textarea")
+            if args.compare:
+                compare_slide(page, args.out)
+                browser.close()
+                return
             page.click("#start-load")  # 16 synthetic chats, 4 a second, on the app's own event loop
             end = time.monotonic() + 60
             while time.monotonic() < end and not engine.telemetry.latest():

@@ -39,7 +39,7 @@ def test_tiles_keep_ownership_reuse_sharing_hits_and_takes():
     snap = snapshot(n, tables, reuses=[1, 8], cached=[12, 13], hits=[0], takes=[5, n - 1])
     colors = {"A": 0, "B": 1, "C": 2}
     spec = F.block_map_spec(snap, colors)
-    heat, reused, shared, _, hits, outside, taken = spec["data"]
+    heat, reused, shared, _, hits, outside, taken = spec["data"][:7]
     assert T.tile_size(n) == 4 and spec["layout"]["title"]["text"] == "1 cell = 4 blocks"
     z, cd = heat["z"], heat["customdata"]
     # A holds all 4 blocks of tile 0; A and C 2 of 4 (full colour: half); B 1 of 4 (light); 2 cached-free

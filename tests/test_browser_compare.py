@@ -1,6 +1,7 @@
 """The Compare tab in a headless browser (Debian's chromium) at 1366x768, in English and in Korean: after
-one run, both grids sit side by side and fully inside the screen without scrolling, and under ko-KR the
-button, headline, explanation and figure titles are Korean.
+one run, both grids sit side by side and fully inside the screen without scrolling, each grid's plot area
+fills at least 70% of its panel's height with the legend outside the grid, and under ko-KR the button,
+headline, explanation and figure titles are Korean.
 
 The whole app (``ui.layout.build_app``) runs on the tiny random model, so the module takes a few seconds.
 Skipped when chromium or playwright is missing.
@@ -92,6 +93,12 @@ def _check_one_slide(page) -> None:
     assert abs(s["width"] - c["width"]) < 2 and abs(s["height"] - c["height"]) < 2, (s, c)
     headline = page.locator("#compare-summary").bounding_box()
     assert headline["y"] + headline["height"] <= s["y"], "the headline is not above the grids"
+    for plot, box in (("#compare-static", s), ("#compare-continuous", c)):
+        area = page.locator(f"{plot} .nsewdrag").first.bounding_box()  # the plot area (Plotly's drag layer)
+        assert area["height"] >= 0.70 * box["height"], (plot, area, box)  # no band above a squashed grid
+        legend = page.locator(f"{plot} .legend").first.bounding_box()
+        assert legend["x"] >= area["x"] + area["width"], (plot, legend, area)  # the legend beside the grid
+        assert legend["y"] >= box["y"] and legend["y"] + legend["height"] <= box["y"] + box["height"]
 
 
 def test_english_compare_is_one_slide(app, browser):
@@ -115,7 +122,7 @@ def test_korean_compare_is_one_slide_in_korean(app, browser):
         headline = page.inner_text("#compare-summary").strip()
         assert headline == compare.headline_markdown(app.runs, "ko").removeprefix("### ")
         assert "스텝" in headline and "steps" not in headline
-        assert page.inner_text("#compare-note").strip().startswith("불러온 모델")
+        assert page.inner_text("#compare-note").strip().startswith("새 엔진 두 개가")
         assert page.input_value("#compare-preset input") == i18n.KO["cmp_preset_classic"]
         assert page.text_content("#compare-static .gtitle").startswith("정적 배칭: ")
         assert page.text_content("#compare-continuous .xtitle") == "엔진 스텝"

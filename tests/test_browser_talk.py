@@ -98,11 +98,12 @@ def test_pause_step_and_the_status_line_follow_one_request(talk):
             time.sleep(0.3)
             assert engine.step_count == before + k, "a Step press ran more than one step"
         _wait_chat(page, "Decoding: \\d+ tokens")
-        # the tab names its own request and colour; the panels outline it
-        page.wait_for_selector(f"#mine:has-text('{rid}')")
+        # the tab names its own request by colour and letter (its id on hover); the panels outline it
+        page.wait_for_selector(f"#mine .cbp-req[title='{rid}']")
         mine = page.inner_text("#mine")
-        assert re.search(rf"{rid}, \w+", mine), mine
-        assert rid in _chat_text(page)
+        label = talk.demo.cbp_panels.label(rid)
+        assert re.fullmatch(r"[a-z ]+ [A-Z]", label) and f"Your request: {label}" in mine and rid not in mine, mine
+        assert f"your request · {label}" in _chat_text(page)
         page.wait_for_function(
             "() => [...document.querySelectorAll('#occupancy .legendtext')].some(e => e.textContent.includes('your'))")
         # the timeline: look 2 steps back pins the panels

@@ -156,3 +156,22 @@ def test_compare_api_endpoint_answers_in_the_callers_language(tiny_model, tokeni
         client.close()
     finally:
         demo.close()
+
+
+def test_the_page_runs_compare_on_a_tiny_model_with_the_loaded_models_schedule(real_model, classic):
+    """The page's runs use a tiny random model over the loaded model's tokenizer (:func:`compare.schedule_model`):
+    the same slots at the same steps as the loaded model itself, well within the 3 s a presenter can wait."""
+    import time
+
+    model, tokenizer = real_model
+    tiny = compare.schedule_model(model, tokenizer)
+    assert compare.schedule_model(model, tokenizer) is tiny  # built once
+    assert sum(p.numel() for p in tiny.parameters()) < sum(p.numel() for p in model.parameters()) / 10
+    t0 = time.perf_counter()
+    fast = compare.run_compare(tiny, tokenizer, "classic")
+    took = time.perf_counter() - t0
+    real = compare.run_compare(model, tokenizer, "classic")
+    for policy in ("static", "continuous"):
+        assert fast[policy].slot_history == real[policy].slot_history == classic[policy].slot_history
+        assert fast[policy].admitted == real[policy].admitted
+    assert took <= 3.0, took

@@ -137,3 +137,82 @@ def test_the_page_opens_no_heartbeat_connection():
     assert config["connect_heartbeat"] is False
     assert not [b for b in demo.blocks.values() if isinstance(b, gr.State)]
     assert demo.cbp_router is not None and "cbp/live.js" in demo.cbp_head
+
+
+def test_in_slow_motion_a_tab_is_sent_every_step_in_turn():
+    """Paused or in slow motion, a tab that drew step n gets step n + 1 (and how far it is behind), so no step
+    goes undrawn; at full speed it gets the newest step."""
+    engine, _chat, live = _channel()
+    for s in SEQ:
+        engine.telemetry.record(s)
+
+    async def frames(**kw):
+        return json.loads(await live.frame("s1", None, **kw))
+
+    engine.min_step_time = 0.5
+    one = asyncio.run(frames(after=1))
+    assert (one["drawn"], one["behind"], one["every"]) == (2, 1, True) and one["figs"]["occupancy"]["data"]
+    assert list(one["figs"]["occupancy"]["data"][0]["x"]) == [1, 2]  # the window ends at step 2
+    two = asyncio.run(frames(after=2))
+    assert (two["drawn"], two["behind"]) == (3, 0)
+    engine.min_step_time, engine.paused = 0.0, True  # paused: Step presses are played one by one too
+    assert asyncio.run(frames(after=1))["drawn"] == 2
+    engine.paused = False  # full speed: only the newest step counts
+    fast = asyncio.run(frames(after=1))
+    assert (fast["drawn"], fast["behind"], fast["every"]) == (3, 0, False)
+
+
+def test_a_poll_may_wait_for_the_next_step_and_the_template_comes_once():
+    engine, _chat, live = _channel()
+    engine.telemetry.record(SEQ[0])
+    engine.telemetry.record(SEQ[1])
+
+    async def run():
+        async def later():
+            await asyncio.sleep(0.05)
+            engine.telemetry.record(SEQ[2])
+
+        task = asyncio.create_task(later())
+        t0 = asyncio.get_running_loop().time()
+        f = json.loads(await live.frame("s1", None, after=2, wait=5.0, template=True))
+        await task
+        return f, asyncio.get_running_loop().time() - t0
+
+    f, took = asyncio.run(run())
+    assert f["drawn"] == 3 and took < 0.9  # answered when step 3 existed (the wait is at most 1 s anyway)
+    assert f["template"]["layout"] and "template" not in f["figs"]["occupancy"]["layout"]
+    anonymous = json.loads(asyncio.run(live.frame("", None)))  # before the page's load event named the tab
+    assert anonymous["figs"]["occupancy"]["data"] and anonymous["chat"] is None and anonymous["mine"] == ""
+    assert "" not in live.tabs
+
+
+def test_lines_name_requests_by_colour_and_letter_with_the_id_on_hover():
+    _engine, _chat, live = _channel()
+    html_a = live.panels.request_html("chat-1a2b", "en")
+    assert 'title="chat-1a2b"' in html_a and ">blue A</span>" in html_a and "background:#3C87FF" in html_a
+    assert live.panels.label("chat-1a2b", "ko") == "파랑 A" and live.panels.label("load-9", "en") == "orange B"
+    line = pacing_line(SimpleNamespace(step_count=3, paused=True, min_step_time=0.0, until_condition=None), None, "en")
+    assert line.startswith("‖ **Engine paused** after step 3:")
+    refs = ['<span title="x">red D</span>']
+    assert markdown_line_html("**slot 2**: \x000\x00 <b>", refs) == '<b>slot 2</b>: <span title="x">red D</span> &lt;b&gt;'
+
+
+def test_the_page_loads_plotlys_cartesian_bundle_of_the_plotly_packages_version():
+    """ui/static holds plotly.js's cartesian partial bundle (the panels use heatmap and scatter traces only):
+    the same plotly.js version as the full bundle the ``plotly`` package ships, so figures built by plotly.py
+    draw the same."""
+    import re
+    from pathlib import Path
+
+    import plotly
+
+    from ui import live
+
+    def version(path: Path) -> str:
+        return re.search(r"v(\d+\.\d+\.\d+)", path.read_text(encoding="utf-8", errors="replace")[:300]).group(1)
+
+    full = Path(plotly.__file__).with_name("package_data") / "plotly.min.js"
+    assert live._plotly_js_path() == live.PLOTLY_CARTESIAN
+    head = live.PLOTLY_CARTESIAN.read_text(encoding="utf-8")[:300]
+    assert "cartesian" in head and version(live.PLOTLY_CARTESIAN) == version(full)
+    assert live.PLOTLY_CARTESIAN.stat().st_size < full.stat().st_size / 2

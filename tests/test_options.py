@@ -123,3 +123,20 @@ def test_http_limits_cors_and_special_tokens_options():
                  ["--timeout-request-head", "0"]):
         with pytest.raises(SystemExit):
             app.parse_args(argv, env={})
+
+
+def test_talk_preset_sets_a_configuration_a_room_can_read_and_explicit_options_win():
+    from engine.options import TALK_PRESET
+
+    talk = app.parse_args(["--talk"], env={})
+    assert talk.talk and (talk.max_num_seqs, talk.num_blocks, talk.free_block_order) == (4, 96, "mru")
+    assert {k: getattr(talk, k) for k in TALK_PRESET} == TALK_PRESET
+    assert app.parse_args([], env={"CBP_TALK": "1"}).num_blocks == 96  # the variable asks for it too
+    mine = app.parse_args(["--talk", "--max-num-seqs", "6", "--num-blocks", "128"], env={"CBP_FREE_BLOCK_ORDER": "lru"})
+    assert (mine.max_num_seqs, mine.num_blocks, mine.free_block_order) == (6, 128, "lru")
+    by_memory = app.parse_args(["--talk", "--kv-cache-memory", "64MiB"], env={})
+    assert by_memory.num_blocks is None and by_memory.max_num_seqs == 4
+    plain = app.parse_args([], env={})
+    assert not plain.talk and plain.max_num_seqs == PLAYGROUND_DEFAULTS["max_num_seqs"]
+    assert app.talk_line(plain).startswith("talk     for a room, start with --talk (4 slots, 96 KV blocks")
+    assert app.talk_line(talk).startswith("talk     preset on (4 slots, 96 KV blocks, mru free-block order, a 32")

@@ -56,17 +56,19 @@ def test_occupancy_cells_are_slot_request_and_phase():
     K = F.K
     assert [list(r) for r in heat.z] == [[K + 0, 0, 0], [K + 1, 1, K + 2]]  # light = prefill, full = decode
     phases = [[c[1] for c in row] for row in heat.customdata]
-    assert phases == [["prefill", "decode", "decode"], ["prefill", "decode", "prefill"]]
-    assert list(heat.customdata[1][2][2:]) == [5, 5, 0]  # tokens this step, tokens in cache, prefix-cache hit
-    # admissions are marked where they happened, including C taking B's slot
-    assert sorted(zip(adm.x, adm.y)) == [(1, 0), (1, 1), (3, 1)]
+    took = "prefill, took its slot"  # the cell where a request took its slot says so (the ▷ takes no hover)
+    assert phases == [[took, "decode", "decode"], [took, "decode", took]]
+    assert list(heat.customdata[1][2][2:5]) == [5, 5, 0]  # tokens this step, tokens in cache, prefix-cache hit
+    # admissions are marked in the left part of the cell where they happened, including C taking B's slot
+    assert sorted(zip(adm.x, adm.y)) == [(0.7, 0), (0.7, 1), (2.7, 1)]
+    assert adm.hoverinfo == "skip" and "%{customdata[5]}" in heat.hovertemplate
 
 
 def test_occupancy_empty_and_idle_slots():
     seq = [snap(1, [("A", PHASE_IDLE, 0, 9), None], {"A": [0]})]
     heat = F.occupancy_figure(seq).data[0]
     assert list(heat.z[0]) == [F.IDLE_CODE] and list(heat.z[1]) == [None]
-    assert heat.customdata[1][0][0] == ""
+    assert heat.customdata[1][0] is None  # an empty cell has no hover (hoverongaps off) and no data
 
 
 def test_block_map_cells_owner_free_cached_and_reused():
@@ -80,8 +82,8 @@ def test_block_map_cells_owner_free_cached_and_reused():
     ids = [c[0] for row in heat.customdata for c in row]
     assert ids == list(range(NUM_BLOCKS))
     assert [list(c[2:5]) for row in heat.customdata for c in row][:4] == [[4, 1, 0], [4, 1, 0], [4, 1, 1], [1, 1, 0]]
-    # block 2 (row 0, column 2) was handed from B to C: it is the only reused mark
-    assert list(zip(reused.x, reused.y)) == [(2, 0)]
+    # block 2 (row 0, column 2) was handed from B to C: it is the only reused mark (top right of its cell)
+    assert list(zip(reused.x, reused.y)) == [(2.3, -0.25)]
     assert len(shared.x) == 0
 
 
@@ -92,7 +94,7 @@ def test_block_map_shared_block_and_grid_shape():
     assert len(heat.z) == 3 and all(len(r) == 3 for r in heat.z)  # 8 blocks in 3 columns: 3 rows
     assert heat.z[2][2] is None  # past the last block
     assert heat.customdata[0][0][1] == "A, D" and heat.customdata[0][0][3] == 2
-    assert list(zip(shared.x, shared.y)) == [(0, 0)]
+    assert list(zip(shared.x, shared.y)) == [(-0.3, 0.25)]  # bottom left of block 0's cell
     assert heat.z[1][1] == 4  # block 4 belongs to D
 
 
@@ -173,121 +175,6 @@ def test_panels_rebuild_only_on_new_steps_and_skip_unchanged():
     assert panels.builds == 2
 
 
-# --------------------------------------------------------------------------- palette: distances in CIELAB
-# Threshold: CIEDE2000 >= 15 between any two colours a viewer must tell apart. (CIEDE2000 ~ 1 is a
-# just-noticeable difference side by side; ~10 is "clearly different", and small heatmap cells need more.)
-MIN_DE2000 = 16.5  # every distance the panels rely on (palette_distances)
-MIN_PAIR_DE2000 = 17.0  # two full request colours (was 16.9: purple and plum looked alike on a projector)
-
-
-def _rgb(color: str) -> tuple[float, float, float]:
-    """(r, g, b) in 0..255 from "#RRGGBB" or plotly's "rgb(r, g, b)"."""
-    if color.startswith("#"):
-        return tuple(int(color[i:i + 2], 16) for i in (1, 3, 5))
-    return tuple(float(v) for v in color[color.index("(") + 1:-1].split(","))
-
-
-def _lab(color: str) -> tuple[float, float, float]:
-    """CIELAB (D65) of an sRGB colour."""
-    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in _rgb(color))]
-    r, g, b = lin
-    xyz = ((0.4124564 * r + 0.3575761 * g + 0.1804375 * b) / 0.95047,
-           0.2126729 * r + 0.7151522 * g + 0.0721750 * b,
-           (0.0193339 * r + 0.1191920 * g + 0.9503041 * b) / 1.08883)
-    fx, fy, fz = (t ** (1 / 3) if t > 216 / 24389 else (24389 / 27 * t + 16) / 116 for t in xyz)
-    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
-
-
-def _de2000_lab(lab1, lab2) -> float:
-    """CIEDE2000 colour difference of two CIELAB colours (Sharma, Wu, Dalal 2005)."""
-    from math import atan2, cos, degrees, exp, hypot, radians, sin, sqrt
-
-    (L1, a1, b1), (L2, a2, b2) = lab1, lab2
-    cbar7 = ((hypot(a1, b1) + hypot(a2, b2)) / 2) ** 7
-    g = 0.5 * (1 - sqrt(cbar7 / (cbar7 + 25 ** 7)))
-    a1, a2 = (1 + g) * a1, (1 + g) * a2
-    c1, c2 = hypot(a1, b1), hypot(a2, b2)
-    h1, h2 = degrees(atan2(b1, a1)) % 360, degrees(atan2(b2, a2)) % 360
-    dh = 0.0 if c1 * c2 == 0 else (h2 - h1 + 180) % 360 - 180
-    d_l, d_c, d_h = L2 - L1, c2 - c1, 2 * sqrt(c1 * c2) * sin(radians(dh / 2))
-    lbar, cbar = (L1 + L2) / 2, (c1 + c2) / 2
-    if c1 * c2 == 0:
-        hbar = h1 + h2
-    elif abs(h1 - h2) <= 180:
-        hbar = (h1 + h2) / 2
-    else:
-        hbar = (h1 + h2 + 360) / 2 if h1 + h2 < 360 else (h1 + h2 - 360) / 2
-    t = (1 - 0.17 * cos(radians(hbar - 30)) + 0.24 * cos(radians(2 * hbar)) + 0.32 * cos(radians(3 * hbar + 6))
-         - 0.20 * cos(radians(4 * hbar - 63)))
-    s_l = 1 + 0.015 * (lbar - 50) ** 2 / sqrt(20 + (lbar - 50) ** 2)
-    s_c, s_h = 1 + 0.045 * cbar, 1 + 0.015 * cbar * t
-    r_t = -2 * sqrt(cbar ** 7 / (cbar ** 7 + 25 ** 7)) * sin(radians(60 * exp(-(((hbar - 275) / 25) ** 2))))
-    return sqrt((d_l / s_l) ** 2 + (d_c / s_c) ** 2 + (d_h / s_h) ** 2 + r_t * (d_c / s_c) * (d_h / s_h))
-
-
-def de2000(c1: str, c2: str) -> float:
-    return _de2000_lab(_lab(c1), _lab(c2))
-
-
-def test_de2000_matches_published_pairs():
-    # Sharma, Wu, Dalal (2005), Table 1: pairs 1, 3, 7 and 17
-    for lab1, lab2, want in [((50, 2.6772, -79.7751), (50, 0, -82.7485), 2.0425),
-                             ((50, 2.5, 0), (50, 0, -2.5), 4.3065),
-                             ((50, 0, 0), (50, -1, 2), 2.3669),
-                             ((50, 2.5, 0), (73, 25, -18), 27.1492)]:
-        assert _de2000_lab(lab1, lab2) == pytest.approx(want, abs=1e-4)
-    assert de2000("#FFFFFF", "#000000") == pytest.approx(100, abs=0.01)
-
-
-def palette_distances(colors: list[str]) -> list[tuple[float, str, str]]:
-    """Every distance the panels rely on among ``colors`` (palette entries) and the fixed colours."""
-    out = []
-    for i, a in enumerate(colors):
-        la = F.light_shade(a)
-        for fixed in (F.IDLE_COLOR, F.CACHED_COLOR, F.FREE_COLOR):
-            out.append((de2000(a, fixed), a, fixed))
-        out.append((de2000(la, F.FREE_COLOR), f"light {a}", "white"))  # a prefill cell is not blank
-        out.append((de2000(la, F.IDLE_COLOR), f"light {a}", "idle"))  # nor grey
-        for j, b in enumerate(colors):
-            if i < j:
-                out.append((de2000(a, b), a, b))
-            out.append((de2000(a, F.light_shade(b)), a, f"light {b}"))  # decode of one vs prefill of any
-    return out
-
-
-def test_palette_has_16_named_colours_far_apart():
-    assert len(F.PALETTE) >= 16 and len(F.PALETTE) == F.K and len(set(F.PALETTE)) == F.K
-    for lang in ("en", "ko"):
-        names = F.PALETTE_NAMES[lang]
-        assert len(names) == F.K and len(set(names)) == F.K and all(names)
-    worst = min(palette_distances(list(F.PALETTE)))
-    assert worst[0] >= MIN_DE2000, worst
-    pairs = [(de2000(a, b), a, b) for i, a in enumerate(F.PALETTE) for b in F.PALETTE[i + 1:]]
-    assert min(pairs)[0] >= MIN_PAIR_DE2000, min(pairs)
-
-
-def test_color_names():
-    teal = F.PALETTE_NAMES["en"].index("teal")
-    assert F.color_name(teal) == "teal" and F.color_name(teal, "ko") == "청록"
-    assert F.color_name(teal + F.K) == "teal" and F.color_name(0, "fr") == F.PALETTE_NAMES["en"][0]
-
-
-def test_sixteen_live_requests_get_sixteen_distinguishable_colours():
-    live = [snap(1, [(f"r{i}", PHASE_DECODE, 1, 1) for i in range(16)], {})]
-    ca = F.ColorAssigner()
-    idx = ca.update(live)
-    assert len(set(idx.values())) == 16 and ca.index_of("r3") == idx["r3"] and ca.index_of("nope") is None
-    worst = min(palette_distances([F.PALETTE[i] for i in idx.values()]))
-    assert worst[0] >= MIN_DE2000, worst
-
-
-def test_cached_and_outside_cells_stand_apart_from_free_and_grid():
-    # the grid colour shows between cells and in the cells past the last block ("not in the pool")
-    assert de2000(F.CACHED_COLOR, F.GRID_COLOR) >= 10
-    assert de2000(F.CACHED_COLOR, F.FREE_COLOR) >= 15
-    assert de2000(F.FREE_COLOR, F.GRID_COLOR) >= 4  # free cells are told apart by the grid lines
-
-
 # --------------------------------------------------------------------------- first screen
 def test_occupancy_before_the_first_step_shows_the_empty_slots():
     fig = F.occupancy_figure([], {}, num_slots=16)
@@ -323,11 +210,13 @@ def test_block_map_before_the_first_step_shows_the_free_pool():
 
 def test_block_map_marks_cells_past_the_pool():
     s = snap(1, [("A", PHASE_DECODE, 1, 5), None], {"A": [0, 1]})
-    outside = F.block_map_figure(s, {"A": 0}, columns=3).data[5]
+    fig = F.block_map_figure(s, {"A": 0}, columns=3)
+    outside = fig.data[5]
     assert list(zip(outside.x, outside.y)) == [(2, 2)] and outside.name == "not in the pool"
-    assert outside.showlegend and outside.marker.symbol == "x-thin"
-    full = F.block_map_figure(s, {"A": 0}, columns=4).data[5]  # 8 blocks fill two rows of 4
-    assert len(full.x) == 0 and not full.showlegend
+    assert outside.marker.symbol == "x-thin" and outside.hoverinfo == "skip"
+    assert "not in the pool" in [tr.name for tr in fig.data if tr.showlegend is not False]
+    full = F.block_map_figure(s, {"A": 0}, columns=4)  # 8 blocks fill two rows of 4: no such cells, no entry
+    assert len(full.data[5].x) == 0 and "not in the pool" not in [tr.name for tr in full.data if tr.showlegend is not False]
     from ui.i18n import figure_labels
 
     assert F.block_map_figure(s, labels=figure_labels("ko"), columns=3).data[5].name == "풀 밖"
@@ -454,7 +343,7 @@ def test_occupancy_hover_shows_prefix_cache_hit_tokens():
     s = replace(s, batch_slots=(BatchSlotSnapshot(0, "A", PHASE_PREFILL, 4, 20, 20, num_cached_tokens=16),
                                 BatchSlotSnapshot(1, None, PHASE_IDLE)))
     heat = F.occupancy_figure([s]).data[0]
-    assert heat.customdata[0][0][4] == 16 and heat.customdata[1][0][4] == 0
+    assert heat.customdata[0][0][4] == 16 and heat.customdata[1][0] is None
     assert "prefix-cache hit tokens: %{customdata[4]}" in heat.hovertemplate
     from ui.i18n import figure_labels
 

@@ -21,8 +21,8 @@ def test_block_map_marks_blocks_taken_this_step_and_hover_says_whose_they_were()
     fig = F.block_map_figure(s, F.default_colors(SEQ), columns=4)
     taken = fig.data[6]
     assert taken.name == "taken this step" and taken.marker.symbol == "triangle-right"
-    assert list(zip(taken.x, taken.y)) == [(2 - 0.3, 0), (3 - 0.3, 0)]
-    assert list(zip(fig.data[1].x, fig.data[1].y)) == [(2, 0)]  # the recycled dot stays
+    assert list(zip(taken.x, taken.y)) == [(2 - 0.3, 0), (3 - 0.3, 0)]  # in the cell's left part
+    assert list(zip(fig.data[1].x, fig.data[1].y)) == [(2.3, -0.25)]  # the recycled dot stays, top right
     hover = [c[5] for row in fig.data[0].customdata for c in row]
     assert hover[2] == "taken at step 3 · was B's, freed at step 2"
     assert hover[3] == "taken at step 3 · never used before" and hover[0] == "taken at step 1 · never used before"

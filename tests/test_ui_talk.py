@@ -41,7 +41,9 @@ def test_run_to_waits_for_the_stop_and_the_pace_line_says_what_was_found():
     assert asyncio.run(talk.run_to(eng, "handover", poll_s=0.001)) is True
     assert isinstance(eng.until_condition, NextHandover)
     line = pacing_line(eng, None, "en")
-    assert "Engine paused" in line and "step 7" in line and "**hand-over**: slot 2 from A to D" in line
+    assert "Engine paused" in line and "step 7" in line and "**hand-over** · slot 2: A → D" in line
+    named = pacing_line(eng, None, "en", lambda rid: {"A": "red A", "D": "teal D"}[rid])
+    assert "slot 2: red A → teal D" in named
     assert "슬롯 인계" in pacing_line(eng, None, "ko")
     eng.step_count = 8  # one step later the find is old news
     assert "hand-over" not in pacing_line(eng, None, "en")
@@ -49,7 +51,7 @@ def test_run_to_waits_for_the_stop_and_the_pace_line_says_what_was_found():
     eng = FakeEngine()
     assert asyncio.run(talk.run_to(eng, "reuse", poll_s=0.001)) is True
     assert isinstance(eng.until_condition, NextBlockReuse)
-    assert "block 38 was A's (freed at step 6), now D's" in pacing_line(eng, None, "en")
+    assert "block 38: A (freed at step 6) → D" in pacing_line(eng, None, "en")
     with pytest.raises(ValueError):
         asyncio.run(talk.run_to(eng, "nope"))
 

@@ -106,7 +106,7 @@ def block_tiles_spec(snap: StepSnapshot | None, colors: Mapping[str, int] | None
     size = np.minimum(g, n - np.arange(tiles) * g)
     z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
     cd: list[list] = [[(-1, -1, "", 0, 0, 0, 0, 0, 0)] * cols for _ in range(rows)]
-    marks: list[tuple[list[float], list[int]]] = [([], []) for _ in range(4)]
+    marks: list[tuple[list[float], list[float]]] = [([], []) for _ in range(4)]
     for i in range(tiles):
         r, c = divmod(i, cols)
         if used[i]:
@@ -140,6 +140,7 @@ def block_tiles_spec(snap: StepSnapshot | None, colors: Mapping[str, int] | None
     every = max(1, rows // 8)
     layout["yaxis"].update(tickvals=list(range(0, rows, every)), ticktext=[f"{r * cols * g:,}" for r in range(0, rows, every)])
     layout["title"] = {"text": L["tile_fmt"].format(g=g), "font": {"size": 12}, "x": 0.01, "y": 0.98}
+    layout["margin"] = {**layout["margin"], "t": 30}  # room for that title
     return spec
 
 

@@ -1,9 +1,14 @@
 """The Compare tab: one small workload under ``static`` and then ``continuous`` batching, on the real engine.
 
-Both runs use two fresh :class:`engine.core.EngineCore` instances built on the app's already loaded model
-object (weights shared, nothing reloaded) with their own small KV pools, stepped synchronously on the
-calling thread (Gradio runs the handler in a worker thread). The app's live ``AsyncEngine`` is never
-touched: its scheduler, KV cache and telemetry stay as they are.
+Both runs use two fresh :class:`engine.core.EngineCore` instances with their own small KV pools, stepped
+synchronously on the calling thread (Gradio runs the handler in a worker thread). The app's live
+``AsyncEngine`` is never touched: its scheduler, KV cache and telemetry stay as they are.
+
+The page runs them on a tiny random-weight Llama with the loaded model's tokenizer (:func:`schedule_model`,
+built once): every request is greedy with EOS ignored and generates exactly its ``max_tokens``, and its
+prompt is tokenized by the same tokenizer and chat template, so the schedule (which request holds which slot
+at which step) is the one the loaded model would give, while a run takes a fraction of a second instead of
+18-32 s for SmolLM2 on a busy 2-core machine, and takes no CPU from the live engine's chats.
 
 The first preset is the classic picture: three slots; A, B and C need 2, 5 and 3 new tokens, D and E
 (4 tokens each) wait. Under ``static``, D and E start only after B's fifth token (step 6); under
@@ -16,6 +21,7 @@ two grids side by side. Texts are English or Korean (``ui.i18n`` keys ``cmp_*``)
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -27,6 +33,9 @@ from ui import figures, i18n
 from ui.invariance import build_invariance_section
 
 PLOT_HEIGHT = 280  # pixels per grid: header, controls, headline and both grids fit a 1366x768 screen
+# pixels around each grid's plot area: the title above, tick labels and axis title below, the request legend
+# at the right (outside the grid); with no margin auto-expansion the plot area is 214 px, 76% of the figure
+COMPARE_MARGIN = {"t": 30, "b": 36, "l": 50, "r": 120, "autoexpand": False}
 
 # where the Compare tab takes its loaded model and tokenizer from (see :func:`model_of`)
 ModelSource: TypeAlias = AsyncEngine | EngineCore | LLM | tuple[Any, Any]
@@ -131,6 +140,32 @@ def model_of(source: ModelSource) -> tuple[Any, Any]:
     return core.model, core.tokenizer
 
 
+_SCHEDULE_MODELS: dict[tuple, Any] = {}
+_SCHEDULE_LOCK = threading.Lock()
+
+
+def schedule_model(model, tokenizer):
+    """A tiny random-weight Llama (2 layers, hidden 64) over ``tokenizer``'s vocabulary, on ``model``'s device
+    and dtype, built once per tokenizer, device and dtype (seeded: the same weights every time). The Compare
+    tab runs on it: the steps and slots of its greedy, fixed-length requests depend only on their token
+    counts, which the tokenizer gives, not on the weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    param = next(model.parameters())
+    key = (id(tokenizer), str(param.device), param.dtype)
+    with _SCHEDULE_LOCK:
+        if key not in _SCHEDULE_MODELS:
+            cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                              tie_word_embeddings=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                tiny = LlamaForCausalLM(cfg).eval()
+            _SCHEDULE_MODELS[key] = tiny.to(device=param.device, dtype=param.dtype)
+        return _SCHEDULE_MODELS[key]
+
+
 def run_policy(model, tokenizer, preset: ComparePreset, policy: str, num_blocks: int = 64,
                block_size: int = 16) -> PolicyRun:
     """Run ``preset`` on a fresh engine with ``policy`` over the shared ``model``; synchronous.
@@ -143,7 +178,8 @@ def run_policy(model, tokenizer, preset: ComparePreset, policy: str, num_blocks:
         block_size: tokens per block.
     """
     cfg = EngineConfig(policy=policy, max_num_seqs=preset.max_num_seqs, num_blocks=num_blocks,
-                       block_size=block_size, enable_prefix_caching=False, telemetry_capacity=4096)
+                       block_size=block_size, enable_prefix_caching=False, telemetry_capacity=4096,
+                       static_decode="off")  # no CUDA graphs to capture for a run of a few steps
     core = EngineCore(cfg, model=model, tokenizer=tokenizer)
     for rid, message, n in preset.requests:
         core.add_request(rid, [{"role": "user", "content": message}],
@@ -201,22 +237,24 @@ def compare_figures(runs: dict[str, PolicyRun], labels: dict | None = None, heig
     all_snaps = [s for r in runs.values() for s in r.snapshots]
     colors = figures.default_colors(all_snaps)
     last = max((r.steps for r in runs.values()), default=1)
+    # the presets' request ids are letters: each grid writes them in the first cell of each run
+    letters = {rid: rid for rid in colors if len(rid) <= 2} if last <= 30 else None
     out = []
     for policy in ("static", "continuous"):
         run = runs[policy]
-        fig = figures.occupancy_figure(run.snapshots, colors, labels, height=height)
+        fig = figures.occupancy_figure(run.snapshots, colors, labels, height=height, window=last, letters=letters,
+                                       lang=lang)
+        # the legend in the right margin, measured against the plot area (never the whole figure), so it
+        # is outside the grid and the grid keeps its height (a legend measured against the figure, with
+        # margin auto-expansion, had left a 190 px band above a 47 px grid)
         fig.update_layout(title={"text": run_label(run, lang), "x": 0.01, "y": 0.98, "yanchor": "top",
                                  "font": {"size": 15}},
-                          uirevision=None, margin={"t": 36, "b": 40, "l": 50, "r": 10},
-                          legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 0.5, "yanchor": "middle",
-                                  "font": {"size": 12}})
+                          uirevision=None, margin=COMPARE_MARGIN,
+                          legend={"orientation": "v", "yref": "paper", "x": 1.02, "xanchor": "left", "y": 0.5,
+                                  "yanchor": "middle", "font": {"size": 12}})
         fig.update_xaxes(range=[0.5, last + 0.5], dtick=1 if last <= 24 else None)
-        if last <= 30:  # small grids: name each request in the cell where it took its slot
-            for snap in run.snapshots:
-                for sl in snap.batch_slots:
-                    if sl.request_id in snap.admitted:
-                        fig.add_annotation(x=snap.step, y=sl.batch_slot, text=f"<b>{sl.request_id}</b>", showarrow=False,
-                                           xshift=12, font={"size": 12, "color": "black"})
+        fig.update_traces(marker_size=12, selector={"name": labels["admitted"]})
+        fig.update_traces(showlegend=False, selector={"name": labels["mine"]})  # no chat of yours here
         out.append(fig)
     return tuple(out)
 
@@ -238,6 +276,36 @@ def headline_markdown(runs: dict[str, PolicyRun], lang: str = "en") -> str:
                          delta=delta)
 
 
+# Each grid is drawn by the page's own plotly.js (the cartesian bundle the live panels load, ui/live.py) from
+# the figure's JSON: a gr.Plot would load Gradio's own plotly.js (4.6 MB) on the first run in a tab, which took
+# seconds on a busy 2-core laptop.
+DRAW_GRID_JS = """
+const draw = () => {
+  const div = element.querySelector('.cbp-fig');
+  if (!div || !props.value) return;
+  const go = () => { const fig = JSON.parse(props.value);
+    window.Plotly.react(div, fig.data, fig.layout, {displayModeBar: false, responsive: true}); };
+  if (window.Plotly) go(); else { const t = setInterval(() => { if (window.Plotly) { clearInterval(t); go(); } }, 50); }
+};
+draw();
+watch('value', draw);
+"""
+
+
+def _grid(elem_id: str) -> gr.HTML:
+    """One grid's place: a gr.HTML whose value is a Plotly figure's JSON, drawn by :data:`DRAW_GRID_JS`."""
+    return gr.HTML("", html_template=f'<div class="cbp-fig" style="height: {PLOT_HEIGHT}px"></div>',
+                   js_on_load=DRAW_GRID_JS, scale=1, min_width=300, min_height=PLOT_HEIGHT, elem_id=elem_id)
+
+
+# the grids' frame (the page's CSS, ui/layout.py): a border like the other boxes', no padding to eat the plot
+COMPARE_CSS = """
+#compare-static .cbp-fig, #compare-continuous .cbp-fig { border: 1px solid var(--border-color-primary);
+  border-radius: var(--block-radius); overflow: hidden; }
+#compare-static .html-container, #compare-continuous .html-container { padding: 0; }
+"""
+
+
 def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str, Any]:
     """Create the Compare tab's components in the current Gradio context (call inside ``with gr.Tab(...)``).
 
@@ -254,8 +322,8 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
 
     Returns:
         The components by name: ``preset``, ``run``, ``summary`` (the headline), ``static``, ``continuous``.
-        The button's event is the API endpoint ``/compare`` (preset key -> headline, static figure,
-        continuous figure), one run at a time.
+        The button's event is the API endpoint ``/compare`` (preset key -> headline, static figure and
+        continuous figure as Plotly JSON text), one run at a time.
     """
     t = i18n.t
 
@@ -263,9 +331,9 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
         lang = i18n.language(request.headers.get("accept-language") if request is not None else None)
         model, tokenizer = model_of(engine)
         preset = PRESETS.get(key) or PRESETS[default]
-        runs = run_compare(model, tokenizer, preset)
+        runs = run_compare(schedule_model(model, tokenizer), tokenizer, preset)
         fig_s, fig_c = compare_figures(runs, lang=lang)
-        return headline_markdown(runs, lang), fig_s, fig_c
+        return headline_markdown(runs, lang), fig_s.to_json(), fig_c.to_json()
 
     with gr.Row(equal_height=True, elem_id="compare-controls"):
         choices = [(t(p.i18n_key) if p.i18n_key else p.title, k) for k, p in PRESETS.items()]
@@ -274,11 +342,17 @@ def build_compare_tab(engine: ModelSource, default: str = "classic") -> dict[str
         run = gr.Button(t("cmp_run"), variant="primary", scale=1, min_width=200, elem_id="compare-run")
     summary = gr.Markdown(t("cmp_hint"), elem_id="compare-summary")
     with gr.Row(equal_height=True, elem_id="compare-plots"):
-        static = gr.Plot(label=t("cmp_static"), show_label=False, scale=1, min_width=300, elem_id="compare-static")
-        continuous = gr.Plot(label=t("cmp_continuous"), show_label=False, scale=1, min_width=300,
-                             elem_id="compare-continuous")
+        static = _grid("compare-static")
+        continuous = _grid("compare-continuous")
     gr.Markdown(t("cmp_note"), elem_classes="cbp-note", elem_id="compare-note")
-    run.click(on_run, preset, [summary, static, continuous], api_name="compare", concurrency_limit=1)
+    # Gradio's own progress text ("processing | 1.2s") has no translation: hidden, the headline says it instead
+    def on_start(request: gr.Request) -> str:
+        lang = i18n.language(request.headers.get("accept-language") if request is not None else None)
+        return "### " + text(lang, "running")
+
+    running = run.click(on_start, None, summary, api_visibility="private", queue=False)
+    running.then(on_run, preset, [summary, static, continuous], api_name="compare", concurrency_limit=1,
+                 show_progress="hidden")
     with gr.Accordion(t("inv_title"), open=False, elem_id="invariance"):
         build_invariance_section(engine)
     return {"preset": preset, "run": run, "summary": summary, "static": static, "continuous": continuous}

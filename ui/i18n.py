@@ -77,11 +77,12 @@ EN = {
     "how_title": "How it works", "how": HOW_EN, "engine": "Engine",
     "pause": "‖ Pause", "resume": "▶ Resume", "step": "▶| Step", "slow_motion": "Slow motion (min. seconds per step)",
     "look_back": "Look back (steps before the newest; 0 = live)",
-    "next_handover": "▶▶| Next hand-over", "next_reuse": "▶▶| Next block reuse",
-    "cmp_note": "Two fresh engines on the loaded model run the same requests: **static** batching (the next batch "
-                "starts when the whole batch is done), then **continuous** (a freed slot is refilled at the next "
-                "step). Rows: batch slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by "
-                "a finished request. Your chats are not affected.",
+    "next_handover": "▶▶| Next hand-over", "next_reuse": "▶▶| Next block reuse", "talk_preset": "◉ Talk preset",
+    "cmp_note": "Two fresh engines run the same requests: **static** batching (the next batch starts when the "
+                "whole batch is done), then **continuous** (a freed slot is refilled at the next step). Rows: batch "
+                "slots; columns: engine steps; ▷ a request takes its slot; grey: a slot held by a finished request. "
+                "They run a tiny model with the loaded model's tokenizer: every request generates exactly its "
+                "tokens, so the steps are the loaded model's, in a fraction of a second. Your chats are not affected.",
     "cmp_workload": "Workload", "cmp_run": "Run static, then continuous",
     "cmp_static": "static", "cmp_continuous": "continuous",
     "cmp_hint": "Pick a workload and press the button: the step counts of both runs appear here.",
@@ -92,6 +93,7 @@ EN = {
     "cmp_headline": "{static} {s_steps} steps · {s_idle} idle slot-steps → {continuous} {c_steps} steps · "
                     "{c_idle} idle: {delta}",
     "cmp_fewer": "{n} fewer steps ({ratio}x)", "cmp_same": "the same number of steps", "cmp_more": "{n} more steps",
+    "cmp_running": "Running static, then continuous…",
     "inv_title": "Batch invariance: the same prompt alone and inside a busy batch",
     "inv_note": "One seeded request (temperature 0.8, 48 tokens) runs twice on a fresh engine: alone, then "
                 "arriving while 12 other chats decode. Its random draws are the same both times, so any difference "
@@ -127,10 +129,11 @@ KO = {
     "how_title": "어떻게 동작하나요?", "how": HOW_KO, "engine": "엔진",
     "pause": "‖ 일시 정지", "resume": "▶ 계속", "step": "▶| 한 스텝", "slow_motion": "슬로 모션 (스텝당 최소 초)",
     "look_back": "되돌아보기 (최신 스텝에서 몇 스텝 전; 0 = 실시간)",
-    "next_handover": "▶▶| 다음 슬롯 인계", "next_reuse": "▶▶| 다음 블록 재사용",
-    "cmp_note": "불러온 모델 위의 새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 "
-                "배치 시작), 이어서 **연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: "
-                "요청이 슬롯을 받음, 회색: 끝난 요청이 자리만 차지한 슬롯. 내 채팅에는 영향이 없습니다.",
+    "next_handover": "▶▶| 다음 슬롯 인계", "next_reuse": "▶▶| 다음 블록 재사용", "talk_preset": "◉ 발표용 설정",
+    "cmp_note": "새 엔진 두 개가 같은 요청을 실행합니다: 먼저 **정적 배칭**(배치 전체가 끝나야 다음 배치 시작), 이어서 "
+                "**연속 배칭**(빈 슬롯을 바로 다음 스텝에 채움). 행: 배치 슬롯, 열: 엔진 스텝, ▷: 요청이 슬롯을 받음, "
+                "회색: 끝난 요청이 자리만 차지한 슬롯. 불러온 모델의 토크나이저를 쓰는 작은 모델로 실행합니다: 요청마다 "
+                "정해진 토큰 수만큼 생성하므로 스텝은 불러온 모델과 같고, 1초도 걸리지 않습니다. 내 채팅에는 영향이 없습니다.",
     "cmp_workload": "워크로드", "cmp_run": "정적 배칭, 이어서 연속 배칭 실행",
     "cmp_static": "정적 배칭", "cmp_continuous": "연속 배칭",
     "cmp_hint": "워크로드를 고르고 버튼을 누르면 두 실행의 스텝 수가 여기에 나옵니다.",
@@ -141,6 +144,7 @@ KO = {
     "cmp_headline": "{static} {s_steps} 스텝 · 유휴 슬롯-스텝 {s_idle} → {continuous} {c_steps} 스텝 · "
                     "유휴 {c_idle}: {delta}",
     "cmp_fewer": "{n} 스텝 적음 ({ratio}배)", "cmp_same": "스텝 수 같음", "cmp_more": "{n} 스텝 더 많음",
+    "cmp_running": "정적 배칭, 이어서 연속 배칭 실행 중…",
     "inv_title": "배치 불변성: 같은 프롬프트를 혼자, 그리고 바쁜 배치 안에서",
     "inv_note": "시드를 준 요청 하나(temperature 0.8, 토큰 48개)를 새 엔진에서 두 번 실행합니다: 혼자, 그리고 다른 채팅 "
                 "12개가 디코딩하는 중에 도착해서. 두 번 모두 난수는 같으므로 차이는 로짓에서만 생깁니다. 기본 설정에서는 "
@@ -168,7 +172,7 @@ FIGURE_LABELS = {
         "filled": "채워진 토큰", "refcount": "참조 수", "reused": "재사용 횟수", "shared": "공유 블록", "cache_hit": "프리픽스 캐시 적중",
         "reused_marker": "재사용된 블록", "running": "실행 중", "waiting": "대기 중", "kv": "KV 사용률 %",
         "prefill": "프리필", "decode": "디코드", "idle": "유휴 (점유)",
-        "outside": "풀 밖", "mine": "내 요청", "cache_hit_tokens": "프리픽스 캐시 적중 토큰",
+        "outside": "풀 밖", "mine": "내 요청", "cache_hit_tokens": "프리픽스 캐시 적중 토큰", "took_slot": "슬롯을 받음",
         "taken_marker": "이번 스텝에 받은 블록", "taken_at": "스텝 {step}에 받음", "origin_new": "처음 쓰는 블록",
         "origin_reused": "{owner}의 블록이었음, 스텝 {freed}에 해제", "origin_own": "다시 자기 블록, 스텝 {freed}에 해제",
         "origin_cached": "{owner}의 캐시된 프리픽스, 스텝 {freed}에 해제", "origin_shared": "{owner}와 공유",
@@ -211,10 +215,13 @@ STATE_TEXTS = {
         "stopped": "⏹ Stopped after {tokens} token{s}",
         "failed": "⚠️ Failed",
         "paused": " · engine paused",
-        "mine": "your request {rid} · {color}",
-        "mine_panel": "Your request: **{rid}**, **{color}**, outlined in both panels.",
+        "mine": "your request · {color}",
+        "mine_panel": "Your request: {color}, outlined in both panels.",
         "busy": "A reply is still streaming: wait for it to end, or press Stop.",
         "host_only": "Only the host can pause, step or slow the engine here.",
+        "talk_on": "Talk preset: the engine restarted with {slots} slots and {blocks} KV blocks, most recently freed "
+                   "blocks first; {window} steps shown. Replies in flight were ended.",
+        "talk_kept": "Talk preset: the engine already runs it; {window} steps shown.",
     },
     "ko": {
         "sent": "⏳ 엔진에 보냄",
@@ -226,43 +233,62 @@ STATE_TEXTS = {
         "stopped": "⏹ 토큰 {tokens}개 후 중지됨",
         "failed": "⚠️ 실패",
         "paused": " · 엔진 일시 정지",
-        "mine": "내 요청 {rid} · {color}",
-        "mine_panel": "내 요청: **{rid}**, **{color}**, 두 패널에서 테두리로 표시됩니다.",
+        "mine": "내 요청 · {color}",
+        "mine_panel": "내 요청: {color}, 두 패널에서 테두리로 표시됩니다.",
         "busy": "아직 답변을 받는 중입니다. 끝날 때까지 기다리거나 중지를 누르세요.",
         "host_only": "여기서는 진행자만 엔진을 멈추거나 한 스텝씩 실행하거나 느리게 할 수 있습니다.",
+        "talk_on": "발표용 설정: 엔진을 슬롯 {slots}개, KV 블록 {blocks}개, 가장 최근에 해제된 블록부터 쓰도록 다시 "
+                   "시작했습니다. 스텝 {window}개를 표시합니다. 진행 중이던 답변은 끝났습니다.",
+        "talk_kept": "발표용 설정: 엔진이 이미 이 설정입니다. 스텝 {window}개를 표시합니다.",
     },
 }
 
 
+# Finish reasons as the engine names them (vLLM's), said in each language; unknown ones are shown as they are.
+FINISH_REASONS = {
+    "en": {},  # the engine's own words ("stop", "length")
+    "ko": {"stop": "정지 조건", "length": "길이 제한", "abort": "중지됨", "error": "오류"},
+}
+
+
+def finish_reason_text(lang: str, reason: str | None) -> str:
+    """A finish reason (``"stop"``, ``"length"``, ``"abort"``, ``"error"``) in ``lang``; other values as given."""
+    reason = reason or "stop"
+    return FINISH_REASONS.get(lang, FINISH_REASONS["en"]).get(reason, reason)
+
+
 def state_text(lang: str, key: str, **values) -> str:
-    """The chat-state text ``key`` in ``lang`` (English when unknown) with ``values`` filled in.
+    """The chat-state text ``key`` in ``lang`` (English when unknown) with ``values`` filled in; a ``reason``
+    value (a finish reason) is said in ``lang`` (:func:`finish_reason_text`).
 
     Raises:
         KeyError: unknown ``key``.
     """
     plural = "" if values.get("tokens") == 1 else "s"  # English only; the Korean texts have no {s}
+    if "reason" in values:
+        values["reason"] = finish_reason_text(lang, values["reason"])
     return STATE_TEXTS.get(lang, STATE_TEXTS["en"])[key].format(s=plural, **values)
 
 
 # The pace line above the panels (server-side, like the status lines).
 PACE_TEXTS = {
-    "en": {"paused": "‖ **Engine paused** after step {step}: requests queue, streams wait; Step runs one iteration.",
+    "en": {"paused": "‖ **Engine paused** after step {step}: Step runs one step",
            "running": "▶ Engine running · step {step}", "slow": " · slow motion: {s:.2f} s per step",
-           "pinned": " · timeline pinned at step {end} (newest {newest}); set Look back to 0 to follow live",
+           "pinned": " · pinned at step {end} (newest {newest}); Look back 0 follows live",
            "seeking_handover": " · running to the next hand-over (a slot changes owner)…",
            "seeking_reuse": " · running to the next block reuse (a freed block taken by another request)…",
-           "found_handover": " · **hand-over**: slot {slot} from {prev} to {new}",
-           "found_reused": " · **block reuse**: block {block} was {prev}'s (freed at step {freed}), now {new}'s",
-           "found_cached": " · **block reuse**: block {block}, {prev}'s cached prefix (freed at step {freed}), now {new}'s",
+           "found_handover": " · **hand-over** · slot {slot}: {prev} → {new}",
+           "found_reused": " · **block reuse** · block {block}: {prev} (freed at step {freed}) → {new}",
+           "found_cached": " · **block reuse** · block {block}: {prev}'s cached prefix (freed at step {freed}) → {new}",
            "not_found_handover": " · no hand-over in the steps run", "not_found_reuse": " · no block reuse in the steps run"},
-    "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 요청은 대기하고 스트림은 멈춥니다. 한 스텝씩 실행할 수 있습니다.",
+    "ko": {"paused": "‖ **엔진 일시 정지** (스텝 {step} 이후): 한 스텝 버튼으로 한 스텝씩 실행",
            "running": "▶ 엔진 실행 중 · 스텝 {step}", "slow": " · 슬로 모션: 스텝당 {s:.2f}초",
-           "pinned": " · 타임라인 고정: 스텝 {end} (최신 {newest}); 되돌아보기를 0으로 하면 실시간으로 돌아갑니다",
+           "pinned": " · 스텝 {end}에 고정 (최신 {newest}); 되돌아보기 0이면 실시간",
            "seeking_handover": " · 다음 슬롯 인계(슬롯 주인이 바뀜)까지 실행 중…",
            "seeking_reuse": " · 다음 블록 재사용(해제된 블록을 다른 요청이 받음)까지 실행 중…",
-           "found_handover": " · **슬롯 인계**: 슬롯 {slot}, {prev} → {new}",
-           "found_reused": " · **블록 재사용**: 블록 {block}, {prev}의 블록(스텝 {freed}에 해제) → {new}",
-           "found_cached": " · **블록 재사용**: 블록 {block}, {prev}의 캐시된 프리픽스(스텝 {freed}에 해제) → {new}",
+           "found_handover": " · **슬롯 인계** · 슬롯 {slot}: {prev} → {new}",
+           "found_reused": " · **블록 재사용** · 블록 {block}: {prev} (스텝 {freed}에 해제) → {new}",
+           "found_cached": " · **블록 재사용** · 블록 {block}: {prev}의 캐시된 프리픽스(스텝 {freed}에 해제) → {new}",
            "not_found_handover": " · 실행한 스텝에서 슬롯 인계 없음", "not_found_reuse": " · 실행한 스텝에서 블록 재사용 없음"},
 }
 

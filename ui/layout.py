@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
 import time
 from typing import Any
 
 import gradio as gr
 from fastapi import Request
 
-from engine import AsyncEngine
+from engine import TALK_PRESET, AsyncEngine
 from ui import talk
 from ui.chat import ChatHandlers, session_of, settings_inputs
-from ui.compare import build_compare_tab
+from ui.compare import COMPARE_CSS, build_compare_tab
 from ui.engine_backend import EngineBackend
 from ui.i18n import EMBEDDED_MODEL, I18N, SUMMARY_TEXTS, language, state_text, t
 from ui.invariance import INVARIANCE_CSS
@@ -24,10 +25,27 @@ from ui.loadgen import LoadGenerator
 from ui.panels import COUNTER_KEYS, PLOT_HEIGHT, Panels
 from ui.queue_polling import quiet_queue
 
+# Fixed layout: the lines above the panels have fixed heights (a longer text is cut, never wraps the panels
+# down), the panels a fixed height, and Plotly's own hover label is hidden (ui/live.js writes the hovered
+# cell's text into #cbp-hover instead, so no tooltip covers the cells it describes). Fonts: the theme's, then
+# Korean ones (a projector laptop without a Korean system font otherwise shows boxes; Debian: fonts-nanum).
 CSS = f"""
+.gradio-container {{ font-family: var(--font), "Noto Sans KR", "NanumGothic", "Malgun Gothic",
+  "Apple SD Gothic Neo", sans-serif; }}
 .cbp-note {{ font-size: 0.9em; }}
-.cbp-panel {{ min-height: {PLOT_HEIGHT}px; }}
+.cbp-panel {{ height: {PLOT_HEIGHT}px; min-height: {PLOT_HEIGHT}px; overflow: hidden; }}
 .cbp-panel .cbp-plot {{ width: 100%; height: {PLOT_HEIGHT}px; }}
+#occupancy .hoverlayer, #blockmap .hoverlayer {{ display: none; }}
+#pace-status {{ height: 2.8em; line-height: 1.4em; overflow: hidden; display: -webkit-box;
+  -webkit-line-clamp: 2; -webkit-box-orient: vertical; }}
+#mine, #cbp-hover {{ height: 1.4em; line-height: 1.4em; overflow: hidden; white-space: nowrap;
+  text-overflow: ellipsis; }}
+#cbp-hover {{ font-size: 0.9em; opacity: 0.85; }}
+.cbp-req {{ white-space: nowrap; }}
+.cbp-req i {{ display: inline-block; width: 0.8em; height: 0.8em; margin-right: 0.25em; border-radius: 2px;
+  vertical-align: -0.05em; }}
+#pacing {{ flex-wrap: wrap; gap: 6px; }}
+#pacing button {{ white-space: nowrap; flex: 0 0 auto; width: auto; min-width: 0; }}
 #cbp-counters {{ display: grid; grid-template-columns: repeat(4, minmax(100px, 1fr)); gap: 6px; }}
 #cbp-counters .cbp-counter {{ border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 4px 8px; }}
 #cbp-counters .cbp-counter.cbp-wide {{ grid-column: span 2; }}
@@ -37,15 +55,21 @@ CSS = f"""
 #live-reply-title {{ font-size: 0.85em; opacity: 0.8; }}
 #live-reply-text {{ white-space: pre-wrap; }}
 #load-status {{ font-variant-numeric: tabular-nums; min-height: 1.4em; }}
-""" + INVARIANCE_CSS
+#load-status-label {{ font-size: 0.85em; opacity: 0.75; margin-bottom: 0; }}
+""" + INVARIANCE_CSS + COMPARE_CSS
 
 
-def live_html(session: str = "") -> str:
-    """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request and both
-    panels; ``session`` (Gradio's session hash, set at page load) tells the poller which tab it is."""
-    return (f'<div id="cbp-live" data-cbp-session="{session}" data-cbp-ready="{int(bool(session))}">'
-            '<div id="pace-status"></div><div id="mine"></div>'
+def live_html() -> str:
+    """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request, the hovered
+    cell's line and both panels. It is never replaced (the panels drawn before the page's load event stay)."""
+    return ('<div id="cbp-live"><div id="pace-status"></div><div id="mine"></div><div id="cbp-hover"></div>'
             '<div id="occupancy" class="cbp-panel"></div><div id="blockmap" class="cbp-panel"></div></div>')
+
+
+def session_html(session: str = "") -> str:
+    """A hidden mark that tells the poller which tab it is (Gradio's session hash, set at page load)."""
+    return f'<span id="cbp-session" data-cbp-session="{html.escape(session)}" hidden></span>'
+
 
 
 def counters_html() -> str:
@@ -113,8 +137,8 @@ def build_app(
     cfg = engine.config
     panels = Panels(engine.telemetry, max_builds_per_s=max_builds_per_s, num_slots=cfg.max_num_seqs,
                     num_blocks=cfg.num_blocks)
-    # every status line names the colour, queued ones too: a chat's request gets its colour when sent
-    chat = ChatHandlers(EngineBackend(engine), describe=lambda rid, lang: panels.color_name(rid, lang, reserve=True))
+    # every status line names the colour and letter, queued ones too: a chat's request gets them when sent
+    chat = ChatHandlers(EngineBackend(engine), describe=lambda rid, lang: panels.label(rid, lang))
     loadgen = LoadGenerator(engine)
     live = LiveChannel(engine, panels, chat, loadgen, window=window, refresh_s=refresh_s)
     capacity = int(engine.telemetry.capacity)
@@ -173,12 +197,28 @@ def build_app(
         if allowed(request):
             await talk.run_to(engine, "reuse")
 
+    async def talk_preset(request: gr.Request):
+        """The talk preset from the page: the engine restarted with its settings (unless it has them; replies
+        in flight end) and every tab's window set to :data:`ui.talk.TALK_WINDOW` steps."""
+        if not allowed(request):
+            return gr.update(), gr.update()
+        restarted = await asyncio.to_thread(talk.apply_preset, engine)
+        if restarted:
+            panels.rebind(engine.telemetry, engine.config.max_num_seqs, engine.config.num_blocks)
+        live.window = talk.TALK_WINDOW
+        for view in live.tabs.values():
+            view.window, view.pin = talk.TALK_WINDOW, None
+        lang = lang_of(request)
+        gr.Info(state_text(lang, "talk_on" if restarted else "talk_kept", slots=TALK_PRESET["max_num_seqs"],
+                           blocks=TALK_PRESET["num_blocks"], window=talk.TALK_WINDOW))
+        return engine_summary(engine, model_name, lang), gr.update(value=talk.TALK_WINDOW)
+
     def on_load(given_key: str, request: gr.Request):
         session = session_of(request)
         host = is_host_page(host_key, given_key)
         live.open(session, host)
-        return (engine_summary(engine, model_name, lang_of(request)), live_html(session),
-                *(gr.update(interactive=host) for _ in range(8)))
+        return (engine_summary(engine, model_name, lang_of(request)), session_html(session),
+                *(gr.update(interactive=host) for _ in range(9)), gr.update(value=live.view(session).window))
 
     def set_window(steps: float, request: gr.Request) -> None:
         live.view(session_of(request)).window = int(steps)
@@ -226,20 +266,24 @@ def build_app(
                         with gr.Row():
                             start_btn = gr.Button(t("start_load"), variant="primary", elem_id="start-load")
                             stop_btn = gr.Button(t("stop_load"), variant="stop", elem_id="stop-load")
-                        gr.HTML('<div id="load-status"></div>', label=t("load_status"), show_label=True,
-                                container=True, elem_id="load-status-area")
+                        # a plain label line above the status (a component's label badge covered its first line)
+                        gr.Markdown(t("load_status"), elem_id="load-status-label")
+                        gr.HTML('<div id="load-status"></div>', padding=False, elem_id="load-status-area")
                 with gr.Column(scale=3, min_width=480):
-                    with gr.Row(elem_id="pacing", equal_height=False):
-                        pause_btn = gr.Button(t("pause"), size="sm", min_width=80, elem_id="pause")
-                        resume_btn = gr.Button(t("resume"), size="sm", min_width=80, elem_id="resume")
-                        step_btn = gr.Button(t("step"), size="sm", min_width=80, elem_id="step")
-                        handover_btn = gr.Button(t("next_handover"), size="sm", min_width=80, elem_id="next-handover")
-                        reuse_btn = gr.Button(t("next_reuse"), size="sm", min_width=80, elem_id="next-reuse")
-                        slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=3,
-                                         elem_id="slow-motion")
-                    live_area = gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
+                    with gr.Row(elem_id="pacing", equal_height=False):  # one line of buttons that never wrap
+                        pause_btn = gr.Button(t("pause"), size="sm", scale=0, elem_id="pause")
+                        resume_btn = gr.Button(t("resume"), size="sm", scale=0, elem_id="resume")
+                        step_btn = gr.Button(t("step"), size="sm", scale=0, elem_id="step")
+                        handover_btn = gr.Button(t("next_handover"), size="sm", scale=0, elem_id="next-handover")
+                        reuse_btn = gr.Button(t("next_reuse"), size="sm", scale=0, elem_id="next-reuse")
+                        talk_btn = gr.Button(t("talk_preset"), size="sm", scale=0, elem_id="talk-preset")
+                    gr.HTML(live_html(), padding=False, elem_id="cbp-live-area")
+                    session_area = gr.HTML(session_html(), padding=False, elem_id="cbp-session-area")
                     with gr.Row():
-                        window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=2)
+                        slow = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label=t("slow_motion"), scale=2,
+                                         elem_id="slow-motion")
+                        window_steps = gr.Slider(16, 512, value=window, step=16, label=t("window"), scale=2,
+                                                 elem_id="window-steps")
                         look_back = gr.Slider(0, capacity, value=0, step=1, label=t("look_back"), scale=2,
                                               elem_id="look-back")
                         live_box = gr.Checkbox(value=True, label=t("live"), scale=1)
@@ -256,8 +300,8 @@ def build_app(
         commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
         api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
 
-        demo.load(on_load, given_key, [summary_md, live_area, pause_btn, resume_btn, step_btn, slow, start_btn,
-                                       stop_btn, handover_btn, reuse_btn],
+        demo.load(on_load, given_key, [summary_md, session_area, pause_btn, resume_btn, step_btn, slow, start_btn,
+                                       stop_btn, handover_btn, reuse_btn, talk_btn, window_steps],
                   api_visibility="private",
                   js="() => new URLSearchParams(window.location.search).get('host') || ''")
         window_steps.change(set_window, window_steps, None, api_visibility="private", queue=False)
@@ -296,6 +340,8 @@ def build_app(
             reuse_btn.click(next_reuse, None, None, api_name="next_block_reuse", api_visibility=pacing_api,
                             concurrency_limit=None),
             slow.change(slow_motion, slow, None, api_name="slow_motion", api_visibility=pacing_api, queue=False),
+            talk_btn.click(talk_preset, None, [summary_md, window_steps], api_name="talk_preset",
+                           api_visibility=pacing_api, concurrency_limit=1, show_progress="hidden"),
         ):
             event.then(None, None, None, js=poll_now, api_visibility="private", queue=False)
     demo.cbp_panels = panels  # for tests and benchmarks: build counts, cached figures

@@ -9,8 +9,18 @@ tab of one browser on, new events waited for a free connection: chats did not st
 Here every tab asks ``GET <root>/cbp/live`` a few times a second (``ui/live.js``). Each answer is one short
 request: a few hundred bytes when the engine made no step since the tab's last answer, else the figures
 (built once per engine step for all tabs by :class:`ui.panels.Panels`, the tab's own request outlined on a
-copy), the counters, the pace and load-generator lines, and the state and text of the reply the tab is
-streaming. No connection is held between polls, so any number of tabs share the browser's six.
+copy; Plotly's template is sent once per page, not with every figure), the counters, the pace and
+load-generator lines, and the state and text of the reply the tab is streaming. No connection is held between
+polls, so any number of tabs share the browser's six.
+
+Every step drawn: while the engine is paused or in slow motion (at least :data:`EVERY_STEP_S` per step), a
+tab that says which step it drew last (``after``) gets the figures of the next step (the window ending there,
+built from the telemetry ring) and how many steps it is still behind; the page asks again at once and plays
+the frames in order, so no step goes undrawn however slowly the browser draws. At full speed it gets the
+newest step only. After Step (and Resume, run-to) the page's poll may ask the server to hold it (``wait``, at
+most :data:`MAX_WAIT_S`) until the engine has made a step after ``after``, so the new step is sent the moment
+it exists. A poll without a session (the page before its load event has named the tab) gets the default
+view, so the first panel does not wait for Gradio's load event.
 
 Gradio events remain for what a person does (send, stop, pause, step, sliders): each is short. A reply's
 tokens reach the tab through the poll (:meth:`ui.chat.ChatHandlers.live_reply`); when it ends, the page
@@ -37,26 +47,32 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 
+from ui import figures as figures_module
 from ui import talk
 from ui.chat import ChatHandlers
 from ui.i18n import EN, KO, PACE_TEXTS, state_text
 from ui.loadgen import LoadGenerator
-from ui.panels import COUNTER_KEYS, Panels
+from ui.panels import COUNTER_KEYS, PanelKey, Panels
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
 
 LIVE_JS = Path(__file__).with_name("live.js")
 _BOLD = re.compile(r"\*\*(.+?)\*\*")
+_REF = re.compile("\x00(\\d+)\x00")
+EVERY_STEP_S = 0.2  # slow motion of at least this many seconds per step: the page draws every step
+MAX_BEHIND = 16  # a tab further behind than this many steps jumps to the newest one
+MAX_WAIT_S = 1.0  # the longest a poll is held for a new step (one tab's poll, after a pacing click)
 
 
-def pacing_line(engine: AsyncEngine, end: int | None, lang: str) -> str:
-    """One Markdown line: the engine's pace (running / paused at step n / slow motion) and, when the tab's
-    panels are pinned on the timeline at step ``end``, which step they show."""
+def pacing_line(engine: AsyncEngine, end: int | None, lang: str, name: Callable[[str], str] = str) -> str:
+    """One Markdown line: the engine's pace (running / paused at step n / slow motion), what a run-to found
+    (requests named by ``name``, default their ids) and, when the tab's panels are pinned on the timeline at
+    step ``end``, which step they show."""
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
     step = engine.step_count
     line = L["paused" if engine.paused else "running"].format(step=step)
-    line += talk.seek_text(engine, lang)
+    line += talk.seek_text(engine, lang, name)
     slow = float(engine.min_step_time)
     if slow > 0:
         line += L["slow"].format(s=slow)
@@ -65,9 +81,11 @@ def pacing_line(engine: AsyncEngine, end: int | None, lang: str) -> str:
     return line
 
 
-def markdown_line_html(text: str) -> str:
-    """A one-line Markdown text (only ``**bold**``) as escaped HTML."""
-    return _BOLD.sub(r"<b>\1</b>", html.escape(text, quote=False))
+def markdown_line_html(text: str, refs: list[str] | None = None) -> str:
+    """A one-line Markdown text (only ``**bold**``) as escaped HTML; with ``refs``, each ``"\x00i\x00"`` in the
+    text becomes ``refs[i]`` as it is (HTML made by the caller, e.g. :meth:`ui.panels.Panels.request_html`)."""
+    out = _BOLD.sub(r"<b>\1</b>", html.escape(text, quote=False))
+    return _REF.sub(lambda m: refs[int(m.group(1))], out) if refs else out
 
 
 @dataclass
@@ -113,6 +131,7 @@ class LiveChannel:
         self.lease_s = float(lease_s)
         self.tabs: dict[str, TabView] = {}
         self.polls = 0  # frames served (for tests and benchmarks)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once polled (benchmarks)
 
     # ------------------------------------------------------------------ per-tab view
     def open(self, session: str, is_host: bool) -> TabView:
@@ -151,43 +170,91 @@ class LiveChannel:
         return [{"key": k, "label": labels[k], "value": v}
                 for k, v in zip(COUNTER_KEYS, self.panels.counters(lang))]
 
+    def _newest_step(self) -> int:
+        latest = self.engine.telemetry.latest()
+        return latest.step if latest is not None else 0
+
+    async def _wait_for_step(self, after: int, seconds: float) -> None:
+        """Return once the telemetry holds a step after ``after``, or after ``seconds`` (at most MAX_WAIT_S)."""
+        deadline = time.monotonic() + min(max(0.0, seconds), MAX_WAIT_S)
+        while self._newest_step() <= after and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def _frame_end(self, view: TabView, after: int | None) -> tuple[int | None, bool]:
+        """``(end, every)``: the step the figures end at (None: the newest) and whether the page plays every
+        step (paused or slow motion while following live); then a tab that drew ``after`` gets the next step."""
+        every = view.pin is None and (self.engine.paused or float(self.engine.min_step_time) >= EVERY_STEP_S)
+        if not every or after is None:
+            return view.pin, every
+        snaps = self.engine.telemetry.snapshots()
+        newest = snaps[-1].step if snaps else 0
+        if after + 1 < newest and newest - after <= MAX_BEHIND and snaps[0].step <= after + 1:
+            return after + 1, True
+        return None, True
+
+    def _names(self, lang: str) -> tuple[list[str], Callable[[str], str]]:
+        """``(refs, name)``: ``name(request id)`` puts a placeholder in a Markdown line and the request's HTML
+        (colour swatch, "teal D", the id on hover) in ``refs``, for :func:`markdown_line_html`."""
+        refs: list[str] = []
+
+        def name(rid: str) -> str:
+            refs.append(self.panels.request_html(rid, lang))
+            return f"\x00{len(refs) - 1}\x00"
+
+        return refs, name
+
     async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False,
-                    figures: bool = True) -> str:
+                    figures: bool = True, after: int | None = None, wait: float = 0.0,
+                    template: bool = False) -> str:
         """One poll's answer, as JSON text.
 
-        Fields: ``key`` (what the figures show; the tab sends it back as ``since``), ``step``, ``pace`` and
-        ``mine`` (HTML lines), ``load`` (load-generator line), ``counters`` (``[{key, label, value}]``),
-        ``chat`` (the tab's streaming reply: ``{rid, title, text, final}``, or null), ``refresh`` (seconds
-        until the next poll) and ``figs``: ``{occupancy, blocks, rates}`` Plotly figures, present only
-        when ``key`` differs from ``since`` (``rates`` only when asked for). ``figures=False`` (a hidden
-        tab) sends and builds no figures.
+        Fields: ``key`` (what the figures show; the tab sends it back as ``since``), ``step`` (the engine's),
+        ``drawn`` (the step the figures end at), ``behind`` (steps after ``drawn`` the tab has not been sent),
+        ``every`` (the page plays every step: paused or slow motion), ``pace`` and ``mine`` (HTML lines; requests
+        named by colour and letter, ids on hover), ``load`` (load-generator line), ``counters`` (``[{key,
+        label, value}]``), ``chat`` (the tab's streaming reply: ``{rid, title, text, final}``, or null),
+        ``refresh`` (seconds until the next poll), ``template`` (Plotly's layout template, when asked for:
+        the figures are sent without it) and ``figs``: ``{occupancy, blocks, rates}`` Plotly figures, present
+        only when ``key`` differs from ``since`` (``rates`` only when asked for). ``figures=False`` (a hidden
+        tab) sends and builds no figures. ``after`` is the last step the tab was sent; ``wait`` (seconds)
+        holds the answer until the engine has made a step after it. An empty ``session`` is a tab not named
+        yet: the default view, nothing of its own.
         """
         self.polls += 1
-        view = self.view(session)
+        view = self.view(session) if session else TabView(time.monotonic(), False, self.window)
         view.last_seen = time.monotonic()
-        mine = self.chat.latest_request(session)
+        if wait and after is not None:
+            await self._wait_for_step(after, wait)
+        mine = self.chat.latest_request(session) if session else None
+        refs, name = self._names(lang)
         out: dict[str, Any] = {
             "step": self.engine.step_count,
-            "pace": markdown_line_html(pacing_line(self.engine, view.pin, lang)),
+            "pace": markdown_line_html(pacing_line(self.engine, view.pin, lang, name), refs),
             "load": self.loadgen.status(lang),
             "counters": self._counters(lang),
-            "chat": self.chat.live_reply(session, lang),
+            "chat": self.chat.live_reply(session, lang) if session else None,
             "refresh": self.refresh_s,
         }
-        color = self.panels.color_name(mine, lang) if mine else None
-        out["mine"] = markdown_line_html(state_text(lang, "mine_panel", rid=mine, color=color)) if mine and color else ""
+        refs, name = self._names(lang)
+        out["mine"] = (markdown_line_html(state_text(lang, "mine_panel", rid=mine, color=name(mine)), refs)
+                       if mine and self.panels.color_name(mine, lang) else "")
         figs = None
         if view.live and figures:
-            key, plots = await self.panels.frame_plots(view.window, lang, mine=mine, end=view.pin)
-            out["key"] = key
+            end, every = self._frame_end(view, after)
+            key, plots = await self.panels.frame_plots(view.window, lang, mine=mine, end=end)
+            drawn = PanelKey.step_of(key)
+            out.update(key=key, drawn=drawn, every=every, behind=max(0, self._newest_step() - drawn) if every else 0)
             if key != since:
                 figs = {"occupancy": plots[0], "blocks": plots[1], "rates": plots[2] if rates else None}
         else:
             out["key"] = since
         text = json.dumps(out, ensure_ascii=False)
+        # the figures and the template are already JSON text, shared by every tab: spliced in, not parsed and
+        # dumped again
+        if template:
+            text = text[:-1] + ',"template":' + figures_module.template_json() + "}"
         if figs is None:
             return text
-        # the figures are already JSON text, shared by every tab: spliced in, not parsed and dumped again
         parts = ",".join(f'"{name}":{"null" if fig is None else fig}' for name, fig in figs.items())
         return text[:-1] + ',"figs":{' + parts + "}}"
 
@@ -205,12 +272,12 @@ class LiveChannel:
 
         @router.get("/cbp/live", include_in_schema=False)
         async def live(request: Request, session: str = "", since: str = "", rates: int = 0,
-                       figs: int = 1) -> Response:
+                       figs: int = 1, after: int | None = None, wait: float = 0.0, template: int = 0) -> Response:
             if not reaper:  # started from the server's own loop, on the first poll
-                reaper.append(asyncio.get_running_loop().create_task(reap_forever()))
-            if not session:
-                return Response(status_code=400, content="session missing")
-            text = await self.frame(session, since or None, lang_of(request), bool(rates), bool(figs))
+                self.loop = asyncio.get_running_loop()
+                reaper.append(self.loop.create_task(reap_forever()))
+            text = await self.frame(session, since or None, lang_of(request), bool(rates), bool(figs), after,
+                                    wait, bool(template))
             return Response(text, media_type="application/json", headers={"Cache-Control": "no-store"})
 
         @router.post("/cbp/bye", include_in_schema=False)
@@ -231,15 +298,22 @@ class LiveChannel:
         return router
 
 
+PLOTLY_CARTESIAN = Path(__file__).with_name("static") / "plotly-cartesian.min.js"
+
+
 def _plotly_js_path() -> Path:
-    """plotly.js as the plotly package ships it (the same build ``fig.to_html`` embeds): served by this app,
-    so the page draws with no network."""
+    """plotly.js for the live panels, served by this app so the page draws with no network: plotly.js's
+    cartesian partial bundle (``ui/static``, the version of the ``plotly`` package's own bundle; ready about a
+    second sooner on a busy laptop), else the full bundle the ``plotly`` package ships."""
+    if PLOTLY_CARTESIAN.exists():
+        return PLOTLY_CARTESIAN
     import plotly
 
     return Path(plotly.__file__).with_name("package_data") / "plotly.min.js"
 
 
 def head_html(refresh_s: float) -> str:
-    """The ``<head>`` additions of the page: plotly.js and the live channel's script."""
-    return (f'<script src="cbp/plotly.min.js"></script>'
-            f'<script src="cbp/live.js" data-refresh="{float(refresh_s):g}" defer></script>')
+    """The ``<head>`` additions of the page: plotly.js and the live channel's script, both ``async``: they load
+    and run while Gradio's own scripts load (not before them), and the script asks for its first frame at once."""
+    return (f'<script src="cbp/plotly.min.js" async></script>'
+            f'<script src="cbp/live.js" data-refresh="{float(refresh_s):g}" async></script>')

@@ -8,12 +8,17 @@ on screen gets a copy with one extra trace that outlines that request (the share
 nothing else is rebuilt).
 
 The timeline: a tab may pin the panels at an earlier step still in the telemetry ring buffer (``end``);
-the window then ends at that step and the block map shows the pool as it was after it.
+the window then ends at that step and the block map shows the pool as it was after it. The same way, a tab
+that plays every step (slow motion) is sent the window ending at each step in turn (:mod:`ui.live`).
+
+The figures are serialised without Plotly's layout template: the page receives it once (``ui.live``).
+Requests are named by colour and letter ("teal D", :meth:`Panels.label`), as the panels draw them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 from typing import NamedTuple
 
@@ -53,12 +58,17 @@ class PanelKey(NamedTuple):
         ``mine`` only when set, e.g. ``"(2, 96, 'en', None, 5)"`` or ``"(2, 96, 'en', None, 5, 'chat-1')"``."""
         return repr(tuple(self) if self.mine is not None else tuple(self)[:-1])
 
+    @staticmethod
+    def step_of(text: str) -> int:
+        """The last step drawn, from a key's :meth:`text`."""
+        return int(text.lstrip("(").split(",", 1)[0])
+
 
 Plots = tuple[PlotData, PlotData, PlotData]  # occupancy, block map, rates
 
 
 def _plot_data(spec: dict) -> PlotData:
-    return PlotData(type="plotly", plot=figures.spec_json(spec))
+    return PlotData(type="plotly", plot=figures.spec_json(spec, template=False))
 
 
 def _with_trace(plot: PlotData, trace) -> PlotData:
@@ -100,6 +110,14 @@ class Panels:
         self._mine: dict[PanelKey, tuple[PlotData, PlotData]] = {}  # key with ``mine`` -> outlined plots
         self.builds = 0
 
+    def rebind(self, telemetry: Telemetry, num_slots: int | None = None, num_blocks: int | None = None) -> None:
+        """Draw another telemetry from now on (an engine restarted with new settings,
+        ``AsyncEngine.reconfigure``): cached figures are dropped, colours and letters start afresh."""
+        self.telemetry, self.num_slots, self.num_blocks = telemetry, num_slots, num_blocks
+        self.colors = figures.ColorAssigner()
+        self._cache.clear()
+        self._mine.clear()
+
     def _window(self, window: int, end: int | None, margin: bool = False) -> list[StepSnapshot]:
         """The steps drawn; with ``margin``, a pinned last step is at least the second oldest kept, so that
         one step recorded while drawing cannot push it out of the ring (large pools rebuild its blocks)."""
@@ -125,12 +143,14 @@ class Panels:
         snaps = self._window(window, end, margin)
         labels = figure_labels(lang)
         colors = self.colors.update(snaps)
+        letters = self.colors.letters(colors)
         last = snaps[-1] if snaps else None
         key = PanelKey(last.step if last else 0, window, lang, end, version)
         figs = (
             figures.occupancy_spec(snaps, colors, labels, num_slots=self.num_slots, window=window,
-                                   height=PLOT_HEIGHT),
-            figures.block_map_spec(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT),
+                                   height=PLOT_HEIGHT, letters=letters, lang=lang),
+            figures.block_map_spec(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT,
+                                   letters=letters, lang=lang),
             figures.rates_spec(snaps, labels),
         )
         return key, snaps, figs
@@ -166,6 +186,19 @@ class Panels:
         then a request not drawn yet, e.g. queued, is given its colour now)."""
         index = self.colors.reserve(request_id) if reserve else self.colors.index_of(request_id)
         return None if index is None else figures.color_name(index, lang)
+
+    def label(self, request_id: str, lang: str = "en") -> str:
+        """How the panels name ``request_id``: colour and letter, e.g. ``"teal D"`` (given now if it has none
+        yet, as :meth:`color_name` with ``reserve``)."""
+        index = self.colors.reserve(request_id)
+        return figures.request_label(index, self.colors.letter_of(request_id) or "?", lang)
+
+    def request_html(self, request_id: str, lang: str = "en") -> str:
+        """``request_id`` named for a line the room reads: a swatch of its colour and :meth:`label`, the id
+        only on hover (``title``)."""
+        index = self.colors.reserve(request_id)
+        return (f'<span class="cbp-req" title="{html.escape(request_id)}"><i style="background:'
+                f'{figures.PALETTE[index % figures.K]}"></i>{html.escape(self.label(request_id, lang))}</span>')
 
     async def _outlined(self, key: PanelKey, snaps: list[StepSnapshot], plots: Plots, mine: str,
                         lang: str) -> tuple[PlotData, PlotData] | None:

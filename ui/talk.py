@@ -1,21 +1,42 @@
 """Talk-mode actions of the pacing row beyond one engine call: "run to the next hand-over" (a batch slot
 changes owner) and "run to the next block reuse" (a block freed by one request is taken by another). Both
 start ``engine.run_until`` with a condition of :mod:`engine.handover` and stop paused on that step; the pace
-line then says what was found."""
+line then says what was found, naming requests as the panels draw them ("slot 2: red A → teal D").
+
+The talk preset (``python app.py --talk`` or the page's Talk preset button): :data:`engine.options.TALK_PRESET`
+for the engine and :data:`TALK_WINDOW` steps for the panels (:func:`apply_preset`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine import NextBlockReuse, NextHandover
+from engine import TALK_PRESET, NextBlockReuse, NextHandover
 from ui.i18n import PACE_TEXTS
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
 
 KINDS = ("handover", "reuse")
+# steps shown by the talk preset: at 1366x768 the occupancy plot area is about 700 px wide, so a cell is about
+# 22 px wide (and 4 slot rows about 45 px high): a ▷ and a request's letter read from the back of a room
+TALK_WINDOW = 32
+
+
+def is_talk_config(config) -> bool:
+    """Whether an engine configuration already is the talk preset's (slots, pool, free-block order)."""
+    return all(getattr(config, k) == v for k, v in TALK_PRESET.items())
+
+
+def apply_preset(engine: AsyncEngine) -> bool:
+    """Give ``engine`` the talk preset's settings (:meth:`AsyncEngine.reconfigure`: in-flight requests end)
+    unless it has them already; returns True when the engine was restarted."""
+    if is_talk_config(engine.config):
+        return False
+    engine.reconfigure(**TALK_PRESET)
+    return True
 
 
 def condition_for(engine: AsyncEngine, kind: str) -> NextHandover | NextBlockReuse:
@@ -49,9 +70,10 @@ async def run_to(engine: AsyncEngine, kind: str, wait_s: float = 10.0, poll_s: f
     return not engine.seeking
 
 
-def seek_text(engine: AsyncEngine, lang: str) -> str:
+def seek_text(engine: AsyncEngine, lang: str, name: Callable[[str], str] = str) -> str:
     """The part of the pace line about run-to: "running to the next hand-over…" while it runs; what it found
-    while the engine is paused on that step ("hand-over: slot 2 from A to D"); "" otherwise."""
+    while the engine is paused on that step ("hand-over: slot 2: red A → teal D"); "" otherwise. ``name`` gives
+    the text that names a request id (default: the id itself)."""
     L = PACE_TEXTS.get(lang, PACE_TEXTS["en"])
     cond = engine.until_condition
     if not isinstance(cond, (NextHandover, NextBlockReuse)):
@@ -70,8 +92,8 @@ def seek_text(engine: AsyncEngine, lang: str) -> str:
         return ""
     if handover is not None:
         _step, slot, prev, new = handover
-        return L["found_handover"].format(slot=slot, prev=prev, new=new)
+        return L["found_handover"].format(slot=slot, prev=name(prev), new=name(new))
     if reuse is not None:
         _step, block, prev, freed, new, how = reuse
-        return L["found_" + how].format(block=block, prev=prev, freed=freed, new=new)
+        return L["found_" + how].format(block=block, prev=name(prev), freed=freed, new=name(new))
     return ""
