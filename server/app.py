@@ -12,23 +12,23 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
+from server.address import DEFAULT_HOST, bind
 from server.http_guards import DEFAULT_MAX_BODY_BYTES
 from server.kv_publisher import KVEventPublisher, KVEventsConfig, binds, parse_kv_events_config
 from server.openai_api import create_api
 
 log = logging.getLogger(__name__)
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7860
 
 
 def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
@@ -96,30 +96,35 @@ def start_kv_publisher(engine: AsyncEngine, config: str | KVEventsConfig | None)
     return publisher
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the playground's exit: at the first Ctrl-C / SIGTERM ``on_exit`` runs (the engine
+    ends every request with an error, so each stream sends its error event and ``[DONE]`` and its connection
+    closes), then uvicorn shuts down as usual; the signal is not raised again afterwards (uvicorn does that to
+    mimic the default handler, which turns a Ctrl-C into a ``KeyboardInterrupt`` traceback)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+        if first and self.on_exit is not None:
+            self.on_exit()
 
 
-def resolve_address(host: str | None = None, port: int | None = None) -> tuple[str, int]:
-    """``host`` / ``port``, else ``GRADIO_SERVER_NAME`` / ``GRADIO_SERVER_PORT`` (as on Hugging Face
-    Spaces), else 127.0.0.1 and the first free port from 7860 (as ``demo.launch`` does)."""
-    host = host or os.environ.get("GRADIO_SERVER_NAME") or DEFAULT_HOST
-    if port is None and os.environ.get("GRADIO_SERVER_PORT"):
-        port = int(os.environ["GRADIO_SERVER_PORT"])
-    if port is None:
-        port = next((p for p in range(DEFAULT_PORT, DEFAULT_PORT + 100) if _port_free(host, p)), DEFAULT_PORT)
-    return host, port
-
-
-def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted (Ctrl-C). Address: see :func:`resolve_address`. The objects
-    alive at the call are frozen out of the cyclic garbage collector (``gc.freeze``)."""
-    host, port = resolve_address(host, port)
+def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info",
+          sock: socket.socket | None = None, on_exit: Callable[[], None] | None = None,
+          banner: str = "(UI at /, OpenAI API at /v1, metrics at /metrics)") -> None:
+    """Run ``app`` with uvicorn until interrupted (Ctrl-C or SIGTERM), then return. Address: ``sock`` (bound
+    by :func:`server.address.bind` before the engine loaded) or :func:`server.address.resolve_address`.
+    ``on_exit`` runs (in the signal handler) at the first Ctrl-C / SIGTERM, before the connections close: the
+    app ends its streams there. ``banner`` follows the address on the "Running on" line. The objects alive at
+    the call are frozen out of the cyclic garbage collector (``gc.freeze``)."""
+    if sock is None:
+        sock = bind(host, port)
+    host, port = sock.getsockname()[:2]
     # What is alive now (model, engine, page: about 500,000 objects for the playground) lives as long as
     # the process: collect the start's garbage, then freeze the rest out of the cyclic collector's sight,
     # so a full collection (server.memory.MemoryRelease after large bodies, or Python's own) takes
@@ -127,9 +132,9 @@ def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_le
     gc.collect()
     gc.freeze()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    print(f"* Running on http://{shown}:{port}  (UI at /, OpenAI API at /v1, metrics at /metrics)", flush=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    print(f"* Running on http://{shown}:{port}  {banner}", flush=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    _Server(config, on_exit).run(sockets=[sock])
 
 
 class ServerThread:
