@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import os
 import re
 import socket
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NoReturn
 
 from engine import options
@@ -248,6 +250,27 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
     return lines
 
 
+@contextlib.contextmanager
+def _still(doing: str, every: float = 10.0) -> Iterator[None]:
+    """A line every ``every`` seconds while the block runs ("still importing (20 s)"), so that a slow start on
+    a busy machine is never silent. (The engine's own phases, the model load and the kernel build, have
+    theirs: :func:`kernels.cpu_build.heartbeat`, which needs torch imported.)"""
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print(f"starting: still {doing} ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    thread = threading.Thread(target=beat, name="cbp-start-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def _fail(message: str) -> NoReturn:
     """End the start with one line on stderr and exit status 2."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -299,13 +322,17 @@ def _main(args: argparse.Namespace) -> None:
         _fail(missing)
     print("starting: importing torch, transformers and gradio" + ("" if remote else ", then the model and the "
           "kernels"), flush=True)
-    configure_logging(args.log_level)
-    from kernels import envs
+    with _still("importing"):
+        configure_logging(args.log_level)
+        from kernels import envs
 
-    try:
-        envs.check_all()
-    except ValueError as exc:
-        _fail(f"{exc} (see --help-switches)")
+        try:
+            envs.check_all()
+        except ValueError as exc:
+            _fail(f"{exc} (see --help-switches)")
+        if not remote:
+            import engine.async_engine  # noqa: F401  (torch, transformers: timed here, under the heartbeat)
+            import ui.layout  # noqa: F401  (gradio, plotly)
     if remote:
         main_remote(args, sock)
         return

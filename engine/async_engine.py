@@ -105,10 +105,17 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self._thread.start()
 
+    @property
+    def closing(self) -> str | None:
+        """The reason given to :meth:`close` once it was called, else None."""
+        return self._closing
+
     def close(self, reason: str = "the server is shutting down") -> None:
-        """End every request in flight with ``reason`` as its error (each stream gets its final output at
-        once, its blocks go back to the pool), refuse new ones, and stop the stepping thread after that. Returns
-        at once (safe to call from a signal handler or any thread); :meth:`shutdown` waits for the thread."""
+        """Abort every request in flight (each stream gets its final output at once, finish reason ``abort``;
+        the blocks go back to the pool), refuse new ones (``generate`` raises ``RuntimeError(reason)``), and
+        stop the stepping thread after that. Returns at once (safe to call from a signal handler or any
+        thread); :meth:`shutdown` waits for the thread. A front end tells an aborted stream from a stopped one by
+        :attr:`closing` (the API sends ``reason`` as an error event; the page shows the reply as stopped)."""
         self._closing = reason
         self._wake.set()
         self._pace.set()
@@ -156,12 +163,17 @@ class AsyncEngine:
 
     def _close_all(self, reason: str) -> None:
         """:meth:`close`'s work on the stepping thread: the queued requests admitted, then every request
-        failed with ``reason`` and delivered; the thread then ends."""
+        aborted and its final output delivered; the thread then ends. A fault there fails them with
+        ``reason`` instead (their streams end either way)."""
         try:
             self._deliver_all(self.core.process_inbox())
+            scheduler = self.core.scheduler
+            for req in [*scheduler.running, *scheduler.waiting]:
+                self.core.abort_request(req.request_id)
+            self._deliver_all(self.core.process_inbox())
         except Exception:
-            log.exception("applying queued requests at shutdown failed")
-        self._deliver_all(self.core.fail_all(reason))
+            log.exception("aborting the requests at shutdown failed")
+            self._deliver_all(self.core.fail_all(reason))
         self._stop.set()
 
     def _process_inbox(self) -> None:

@@ -97,21 +97,36 @@ def start_kv_publisher(engine: AsyncEngine, config: str | KVEventsConfig | None)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with the playground's exit: at the first Ctrl-C / SIGTERM ``on_exit`` runs (the engine
-    ends every request with an error, so each stream sends its error event and ``[DONE]`` and its connection
-    closes), then uvicorn shuts down as usual; the signal is not raised again afterwards (uvicorn does that to
-    mimic the default handler, which turns a Ctrl-C into a ``KeyboardInterrupt`` traceback)."""
+    """uvicorn's server, with the playground's exit. At the first Ctrl-C / SIGTERM ``on_exit`` runs (the engine
+    ends every request with an error, so each API stream sends its error event and ``[DONE]``, each page chat
+    its final status), and uvicorn's own shutdown starts :data:`EXIT_GRACE_S` later, so those last events go
+    out on the open connections before uvicorn stops accepting and closes them; a second Ctrl-C exits at once.
+    The signal is not raised again afterwards (uvicorn does that to mimic the default handler, which turns a
+    Ctrl-C into a ``KeyboardInterrupt`` traceback)."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.on_exit = on_exit
+        self._exiting = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
-        if first and self.on_exit is not None:
-            self.on_exit()
+        if self._exiting or self.on_exit is None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+            return
+        self._exiting = True
+        self.on_exit()
+        timer = threading.Timer(EXIT_GRACE_S, self._begin_shutdown, args=(sig,))
+        timer.daemon = True
+        timer.start()
+
+    def _begin_shutdown(self, sig: int) -> None:
+        if not self.should_exit:
+            super().handle_exit(sig, None)
+            self._captured_signals.clear()
+
+
+EXIT_GRACE_S = 0.5  # seconds between the engine ending its streams and uvicorn closing the connections
 
 
 def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info",

@@ -103,3 +103,27 @@ def test_engine_command_line_reads_cbp_variables(monkeypatch):
     monkeypatch.setenv("CBP_PREFILL_CHUNK_TOKENS", "0")
     with pytest.raises(ValueError, match="CBP_PREFILL_CHUNK_TOKENS"):
         build_parser()
+
+
+def test_help_groups_the_options_and_shows_the_defaults_the_app_applies(monkeypatch):
+    """``app.py --help``: one group each for the engine, the server, the page and remote mode, every declared
+    option in its group; no empty "(default: )"; the KV size as the app applies it (384 blocks unless
+    --kv-cache-memory), while ``python -m engine`` shows the engine's own (512MiB)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at hyphens: one line per option here
+    parser = app.build_parser(env={})
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    titles = list(groups)
+    engine_t, server_t, page_t, remote_t = (next(t for t in titles if t.startswith(w))
+                                           for w in ("engine", "server", "page", "remote"))
+    assert {o.name for o in ENGINE_OPTIONS} == groups[engine_t]
+    assert {o.name for o in SERVER_OPTIONS} == groups[server_t]
+    assert {o.name for o in app.UI_OPTIONS} == groups[page_t]
+    assert {o.name for o in app.REMOTE_OPTIONS} == groups[remote_t]
+    text = " ".join(parser.format_help().split())
+    assert "(default: )" not in text and "--help-switches" in text
+    assert "physical KV blocks (default: 384 when --kv-cache-memory is not given)" in text
+    assert "(default: unset: the pool is --num-blocks 384)" in text and "512MiB" not in text
+    engine_text = " ".join(engine_parser().format_help().split())
+    assert "(default: 512MiB when --num-blocks is not given)" in engine_text
+    assert "(default: sized from --kv-cache-memory)" in engine_text
+    assert "(default: 64)" in " ".join(app.build_parser(env={"CBP_NUM_BLOCKS": "64"}).format_help().split())
