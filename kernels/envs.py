@@ -14,6 +14,7 @@ order (``kernels`` is the lowest package).
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -141,14 +142,8 @@ def help_table(environ: Mapping[str, str] | None = None) -> str:
                                                      else str(s.default))
         now = env.get(s.name)
         out.append(f"  {s.name}={values}  (default: {default}{f'; set: {now}' if now else ''})")
-        out += [f"      {line}" for line in _wrap(s.doc, 94)]
+        out += [f"      {line}" for line in textwrap.wrap(s.doc, 94)]
     return "\n".join(out)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, width)
 
 
 def __getattr__(name: str) -> Any:
