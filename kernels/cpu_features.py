@@ -8,8 +8,6 @@ dispatches exactly as an AVX2-only CPU does (the test suite runs that way in CI:
 
 The classes, lowest first (:data:`kernels.envs.ISA_CLASSES`): ``avx2`` (AVX2 and FMA, no AVX-512), ``avx512``
 (AVX-512 without BF16), ``avx512_bf16`` (AVX512-BF16, no AMX), ``amx`` (AMX-BF16).
-
-``python -m kernels.cpu_features`` prints the classes this CPU can execute, one per line, lowest first.
 """
 
 from __future__ import annotations
@@ -102,7 +100,3 @@ def executable_classes() -> list[str]:
     if top is None:
         return []
     return list(envs.ISA_CLASSES[: envs.ISA_CLASSES.index(top) + 1])
-
-
-if __name__ == "__main__":
-    print("\n".join(executable_classes()))
