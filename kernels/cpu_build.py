@@ -162,7 +162,8 @@ def build_and_load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[
         ``compiled`` (bool), ``waited`` (seconds spent waiting for another process's build), ``directory``.
 
     Raises:
-        BuildError: no C++ compiler, or the build or the load failed (the first compiler error in the message).
+        BuildError: no C++ compiler, a build folder that cannot be created or locked, or the build or the load
+            failed (the first compiler error in the message).
     """
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
@@ -172,9 +173,12 @@ def build_and_load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[
     from filelock import FileLock
     from torch.utils import cpp_extension
 
-    folder = build_folder(name)
-    lock = FileLock(os.path.join(folder, LOCK_FILE))
-    waited = _acquire(lock, folder, what)
+    try:
+        folder = build_folder(name)
+        lock = FileLock(os.path.join(folder, LOCK_FILE))
+        waited = _acquire(lock, folder, what)
+    except OSError as e:  # a build folder that cannot be created or locked (permissions, a full disk)
+        raise BuildError(f"cannot use the build folder of {name}: {e}") from e
     try:
         _remove_orphaned_baton(folder, what)
         cached = is_built(name, folder)

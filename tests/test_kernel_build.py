@@ -111,3 +111,13 @@ def test_heartbeat_says_something_while_a_block_runs(caplog):
         time.sleep(0.3)
     beats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still busy")]
     assert len(beats) >= 3
+
+
+def test_a_build_folder_that_cannot_be_created_is_a_build_error(tmp_path, monkeypatch):
+    """A build folder that cannot be created is a BuildError (the engine then takes the torch path with one
+    warning), not a crash."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CBP_KERNEL_BUILD_DIR", str(blocker))  # a file where a folder must be
+    with pytest.raises(cpu_build.BuildError, match="cannot use the build folder"):
+        cpu_build.build_and_load(NAME, [str(SOURCE)])
