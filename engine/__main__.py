@@ -17,13 +17,14 @@ import sys
 import time
 
 from engine.llm import LLM
-from engine.options import add_engine_options, engine_kwargs
+from engine.options import add_engine_options, add_help_switches, engine_kwargs
 from engine.prompts import chat_prompts, mixed_max_tokens
 from engine.request import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_help_switches(p)
     p.add_argument("prompts", nargs="*", help="chat messages (each is sent as one user turn)")
     p.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     p.add_argument("--num-prompts", type=int, default=0, help="add N built-in chat prompts with mixed max_tokens (16..256)")
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a CBP_* variable that does not parse
         argparse.ArgumentParser(prog="python -m engine").error(str(e))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("engine", "kernels"):  # the model load and the kernel build say what they do (never silent)
+        logging.getLogger(name).setLevel(logging.INFO)
     prompts: list = []
     params: list[SamplingParams] = []
 

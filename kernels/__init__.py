@@ -21,22 +21,23 @@ Dispatch (backends):
   after one warning naming the reason.
 * ``"torch"``: the torch path (``kernels.torch_ops``): the test oracle.
 
-Set the environment variable ``CBP_ATTENTION_BACKEND`` to ``torch``, ``cpp`` or ``triton`` (or call
+Set the switch ``CBP_ATTENTION_BACKEND`` (:mod:`kernels.envs`) to ``torch``, ``cpp`` or ``triton`` (or call
 :func:`set_backend`) to force one for every call; a forced ``cpp`` that cannot be built raises.
+``CBP_CPU_MAX_ISA`` makes the C++ build and every CPU choice behave as on a lower CPU class
+(:mod:`kernels.cpu_features`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from kernels import cpu_ops as _cpu_ops  # plain Python: the C++ is built on the first CPU call
-from kernels import torch_ops
+from kernels import envs, torch_ops
 
 BACKENDS = ("torch", "cpp", "triton")
-_FORCED: str | None = os.environ.get("CBP_ATTENTION_BACKEND") or None
+_FORCED: str | None = envs.CBP_ATTENTION_BACKEND
 _log = logging.getLogger(__name__)
 _cpp_ok: bool | None = None  # None: not tried yet in this process
 

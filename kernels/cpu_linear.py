@@ -47,14 +47,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
+from kernels import cpu_features, cpu_ops, envs
 
 _log = logging.getLogger(__name__)
 
@@ -89,24 +87,10 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
 
 
-@functools.cache
 def _cpuinfo() -> tuple[str, str]:
-    """``(vendor_id, flags)`` of the first CPU in ``/proc/cpuinfo`` (empty strings off Linux)."""
-    vendor, flags = "", ""
-    if sys.platform != "linux":
-        return vendor, flags
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id") and not vendor:
-                    vendor = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1]
-                if vendor and flags:
-                    break
-    except OSError:
-        pass
-    return vendor, flags
+    """``(vendor_id, flags)`` of the CPU as the kernels see it (capped by ``CBP_CPU_MAX_ISA``:
+    :func:`kernels.cpu_features.cpu_info`; empty strings off Linux)."""
+    return cpu_features.cpu_info()
 
 
 @functools.cache
@@ -153,7 +137,7 @@ def own_gemm_cpu() -> bool:
     loads with its AVX-512 ``gemm_bf16``. Decided from the CPU's flags and the build, never from a timing;
     ``CBP_CPU_OWN_GEMM=0`` turns it off. Read once per process (may build the extension, about a minute
     on a CPU's first start)."""
-    if os.environ.get("CBP_CPU_OWN_GEMM", "1") == "0":
+    if not envs.CBP_CPU_OWN_GEMM:
         return False
     if gemm_dot_products():
         return cpu_ops.gemm_bf16_dp_available()
@@ -171,13 +155,13 @@ def own_gemm_f32_cpu() -> bool:
     default and keep ``F.linear`` for float32 unless ``CBP_CPU_OWN_GEMM_F32=1`` (not measured there). Decided
     from the CPU's flags and the build, never from a timing; ``CBP_CPU_OWN_GEMM=0`` or
     ``CBP_CPU_OWN_GEMM_F32=0`` turns it off. Read once per process."""
-    if os.environ.get("CBP_CPU_OWN_GEMM", "1") == "0":
+    if not envs.CBP_CPU_OWN_GEMM:
         return False
-    forced = os.environ.get("CBP_CPU_OWN_GEMM_F32")
-    if forced == "0":
+    forced = envs.CBP_CPU_OWN_GEMM_F32
+    if forced is False:
         return False
     words = set(_cpuinfo()[1].split())
-    if forced != "1" and not ("avx2" in words and "fma" in words and "avx512f" not in words):
+    if forced is not True and not ("avx2" in words and "fma" in words and "avx512f" not in words):
         return False
     return cpu_ops.gemm_f32_available()
 
@@ -212,7 +196,7 @@ def f32_compute(weight: torch.Tensor) -> bool:
     """The float32-compute rule of :class:`Linear`: a CPU bfloat16 weight on a CPU where
     :func:`bf16_matmul_outruns_f32` is False, unless ``CBP_CPU_F32_LINEARS=0``."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not bf16_matmul_outruns_f32()
-            and os.environ.get("CBP_CPU_F32_LINEARS", "1") != "0")
+            and bool(envs.CBP_CPU_F32_LINEARS))
 
 
 def makes_float32_copy(weight: torch.Tensor, row_tile: int | None = None) -> bool:

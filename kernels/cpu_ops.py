@@ -7,13 +7,15 @@ copy), with an online (flash-attention style) softmax in float32, GQA query head
 per KV head, decode rows and causal prefill chunks in one call, parallel over (sequence, KV head, query
 tile) with OpenMP. See the C++ source for the tiling.
 
-Build: compiled with ``-O3 -march=native -fopenmp`` by the system C++ compiler (``$CXX`` or ``c++``) and
-ninja, into the torch extensions directory (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) or ``$CBP_KERNEL_BUILD_DIR``. The extension name carries a tag of this
-CPU's vector features, so a cache directory shared by different CPUs never loads a binary built for
-another one, and a tag of the sources, the flags and the checkout's path, so two checkouts (or two
-versions) on one machine keep one build each instead of rebuilding each other's at every start. The
-first build takes about a minute; later processes load it in well under a second.
+Build: compiled with ``-O3 -march=native -fopenmp`` (kept within ``CBP_CPU_MAX_ISA`` when set:
+:mod:`kernels.cpu_features`) by the system C++ compiler (``$CXX`` or ``c++``) and the pinned ninja, into
+``$CBP_KERNEL_BUILD_DIR`` or torch's extensions folder (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), under an OS file lock so that concurrent starts share one build
+(:mod:`kernels.cpu_build`). The extension name carries a tag of this CPU's vector features, so a cache
+directory shared by different CPUs never loads a binary built for another one, and a tag of the sources,
+the flags and the checkout's path, so two checkouts (or two versions, or two forced CPU classes) on one
+machine keep one build each instead of rebuilding each other's at every start. The first build takes 1-2
+minutes on two idle cores; later processes load it in about a second.
 
 :func:`load` returns the module or raises :class:`BuildError`; :func:`available` says whether it loads
 (and remembers the reason when it does not). ``kernels/__init__.py`` falls back to the torch path then.
@@ -21,18 +23,14 @@ first build takes about a minute; later processes load it in well under a second
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import logging
-import os
-import shutil
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from kernels import torch_ops
+from kernels import cpu_features, envs, torch_ops
+from kernels.cpu_build import BuildError, build_and_load
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "logits_cpu.cpp",
@@ -40,153 +38,48 @@ _SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSR
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 
-_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
 
 
-class BuildError(RuntimeError):
-    """The extension could not be built or loaded; the message says why."""
-
-
 def _cpu_tag() -> str:
     """A short tag of the CPU's vector features (the extension is compiled with -march=native)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line.split(":", 1)[1]
-                    break
-    except OSError:
-        pass
+    flags = cpu_features.native_cpu_info()[1]
     words = sorted(w for w in flags.split() if w.startswith(("avx", "sse", "fma", "f16c", "amx", "asimd", "sve")))
     return hashlib.sha1(" ".join(words).encode()).hexdigest()[:8]
 
 
+def cflags() -> list[str]:
+    """The compiler flags of the build: ``-O3 -march=native -fopenmp``, and those that keep it within
+    ``CBP_CPU_MAX_ISA`` (:func:`kernels.cpu_features.build_cflags`)."""
+    return _CFLAGS + cpu_features.build_cflags()
+
+
 def _source_tag() -> str:
     """A short hash of the extension's sources, the compiler flags and the sources' folder: a build
-    folder per version and per checkout (torch keeps one folder per extension name, and a folder built
-    from other sources or another checkout's absolute paths is rebuilt from scratch)."""
+    folder per version, per forced CPU class and per checkout (torch keeps one folder per extension name,
+    and a folder built from other sources or another checkout's absolute paths is rebuilt from scratch)."""
     h = hashlib.sha1()
     for src in sorted(_CSRC.iterdir()):
         if src.suffix in (".cpp", ".h"):
             h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode() + b"\0" + str(_CSRC.resolve()).encode())
+    h.update(" ".join(cflags() + _LDFLAGS).encode() + b"\0" + str(_CSRC.resolve()).encode())
     return h.hexdigest()[:8]
 
 
-def _ensure_ninja() -> None:
-    """torch's loader runs ``ninja``: make the pip-installed one (requirements.txt) visible on PATH."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
+def extension_name() -> str:
+    """The extension's name: ``cbp_cpu_attention_<CPU tag>_<sources and flags tag>``."""
+    return f"cbp_cpu_attention_{_cpu_tag()}_{_source_tag()}"
 
 
-def build_directory() -> str | None:
-    """``$CBP_KERNEL_BUILD_DIR`` if set (created if missing), else None (torch's default directory)."""
-    d = os.environ.get("CBP_KERNEL_BUILD_DIR")
-    if not d:
-        return None
-    os.makedirs(d, exist_ok=True)
-    return d
-
-
-LOAD_INFO: dict = {}  # how the extension was loaded: name, seconds, compiled (bool), isa, directory
-
-
-def _default_build_dir(name: str) -> str | None:
-    try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension._get_build_directory(name, False)
-    except Exception:  # a private helper of torch: its absence only loses the "cached" detail
-        return None
-
-
-def _is_built(name: str, build_dir: str | None) -> bool:
-    """Whether a compiled ``name`` library already lies in the build directory (then loading is quick)."""
-    folder = build_dir or _default_build_dir(name)
-    if not folder:
-        return False
-    return os.path.isfile(os.path.join(folder, f"{name}.so"))
-
-
-STALE_LOCK_S = 300.0  # a build takes 1-2 minutes: a lock file older than this was left by a killed build
-LOCK_POLL_S = 1.0
-
-
-def _clear_stale_lock(folder: str | None) -> None:
-    """torch's loader waits, forever and silently, while a ``lock`` file lies in the build folder; a build
-    killed half-way (Ctrl-C or a timeout on the first start) leaves one behind. Wait here instead, with a
-    warning that says so, until the lock goes (the other process's build ended: torch then loads it) or is
-    older than :data:`STALE_LOCK_S` (left by a killed build: removed). A wait is therefore bounded by
-    :data:`STALE_LOCK_S` from the lock's creation."""
-    if not folder:
-        return
-    lock = os.path.join(folder, "lock")
-    warned = False
-    while True:
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except OSError:
-            return  # no lock, or it went away
-        if age > STALE_LOCK_S:
-            _log.warning("CPU attention: removing %s left by an interrupted build %.0f s ago", lock, age)
-            with contextlib.suppress(OSError):
-                os.remove(lock)
-            return
-        if not warned:
-            _log.warning("CPU attention: waiting for another process's build of the kernel (lock file %s, "
-                         "%.0f s old; a lock older than %.0f s is taken as left by a killed build and removed)",
-                         lock, age, STALE_LOCK_S)
-            warned = True
-        time.sleep(LOCK_POLL_S)
+LOAD_INFO: dict = {}  # how the extension was loaded: name, seconds, compiled, waited, isa, directory
 
 
 def _build():
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise BuildError(f"no C++ compiler found ({cxx!r} is not on PATH)")
-    _ensure_ninja()
-    if shutil.which("ninja") is None:
-        raise BuildError("ninja not found (pip install ninja)")
-    from torch.utils import cpp_extension
-
-    name = f"cbp_cpu_attention_{_cpu_tag()}_{_source_tag()}"
-    build_dir = build_directory()
-    if build_dir is not None:
-        build_dir = os.path.join(build_dir, name)
-        os.makedirs(build_dir, exist_ok=True)
-    _clear_stale_lock(build_dir or _default_build_dir(name))
-    cached = _is_built(name, build_dir)
-    if not cached:
-        _log.info("CPU attention: compiling %s (first start on this CPU only, about a minute; then cached)", name)
-    t0 = time.perf_counter()
-    try:
-        mod = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in _SOURCES],
-            extra_include_paths=[str(_CSRC)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            build_directory=build_dir,
-            verbose=bool(os.environ.get("CBP_KERNEL_BUILD_VERBOSE")),
-        )
-    except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / ImportError
-        msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-        first = next((ln for ln in msg if "error:" in ln), None) or next(iter(msg), type(e).__name__)
-        raise BuildError(f"building {name} failed: {first[:300]}") from e
-    seconds = time.perf_counter() - t0
-    LOAD_INFO.update(name=name, seconds=seconds, compiled=not cached or seconds > 5.0, isa=mod.isa(),
-                     directory=build_dir or _default_build_dir(name))
-    _log.debug("CPU attention: %s %s in %.1f s (%s)", name, "compiled" if not cached else "loaded", seconds, mod.isa())
+    mod, info = build_and_load(extension_name(), [str(s) for s in _SOURCES], extra_cflags=cflags(),
+                               extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)])
+    LOAD_INFO.update(info, isa=mod.isa())
     return mod
 
 
@@ -285,8 +178,21 @@ def paged_attention(
         )
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale))
+    load().paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, float(scale),
+                           *attention_dot_products())
     return out
+
+
+def attention_dot_products() -> tuple[bool, bool]:
+    """``(bf16_dot, qk_dot)``: how the C++ attention multiplies bfloat16 caches (read at each call).
+    ``bf16_dot``: Q K^T and P V with VDPBF16PS (``CBP_CPU_BF16_DOT``, off by default); ``qk_dot``: Q K^T
+    with VDPBF16PS, P V in float32 (``CBP_CPU_QK_DOT``; by default on AMD CPUs, where the instruction runs
+    at twice the float32 FMA rate, and off on Intel's, where it runs at a quarter). Both need an
+    AVX512-BF16 build; other builds ignore them."""
+    qk = envs.CBP_CPU_QK_DOT
+    if qk is None:
+        qk = cpu_features.cpu_info()[0] == "AuthenticAMD"
+    return bool(envs.CBP_CPU_BF16_DOT), bool(qk)
 
 
 def _rows_ok(*ts: torch.Tensor) -> bool:
@@ -446,7 +352,8 @@ def decoder_layers(h: torch.Tensor, positions: torch.Tensor, weights: list[torch
         cos, sin: ``[max_positions, head_dim // 2]`` RoPE tables in ``h``'s dtype.
         eps: each layer's norm epsilon (its input and post-attention norms use the same, as
             :class:`engine.models.llama.LlamaLayer` does).
-        dot_products: the bfloat16 GEMM's VDPBF16PS path (as :class:`kernels.cpu_linear.Linear`'s ``gemm_dp``).
+        dot_products: the bfloat16 GEMM's VDPBF16PS path (as :class:`kernels.cpu_linear.Linear`'s ``gemm_dp``);
+            the attention's dot products follow :func:`attention_dot_products`.
         timings: float64 ``[3]`` or None: seconds in the linears, the attention (with its cache write) and
             the rest are added to it.
 
@@ -458,5 +365,5 @@ def decoder_layers(h: torch.Tensor, positions: torch.Tensor, weights: list[torch
     """
     return load().decoder_layers(h, positions, weights, kv_caches, block_tables, seq_lens, query_start_loc,
                                  slot_mapping, cos, sin, int(num_heads), int(num_kv_heads), int(head_dim), float(scale),
-                                 [float(e) for e in eps], bool(dot_products),
+                                 [float(e) for e in eps], bool(dot_products), *attention_dot_products(),
                                  torch.Tensor() if timings is None else timings)

@@ -14,16 +14,18 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from engine import AsyncEngine
+from server.address import DEFAULT_HOST, bind
 from server.http_edge import HTTPLimits, protocol_class
 from server.http_guards import DEFAULT_MAX_BODY_BYTES
 from server.kv_publisher import KVEventPublisher, KVEventsConfig, binds, parse_kv_events_config
@@ -31,8 +33,6 @@ from server.openai_api import create_api
 from server.options import CORSSettings
 
 log = logging.getLogger(__name__)
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7860
 
 
 def build_server(engine: AsyncEngine, demo=None, model_name: str | None = None, *, max_pending: int | None = None,
@@ -107,28 +107,41 @@ def start_kv_publisher(engine: AsyncEngine, config: str | KVEventsConfig | None)
     return publisher
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the playground's exit. At the first Ctrl-C / SIGTERM ``on_exit`` runs (the engine
+    ends every request with an error, so each API stream sends its error event and ``[DONE]``, each page chat
+    its final status), and uvicorn's own shutdown starts :data:`EXIT_GRACE_S` later, so those last events go
+    out on the open connections before uvicorn stops accepting and closes them; a second Ctrl-C exits at once.
+    The signal is not raised again afterwards (uvicorn does that to mimic the default handler, which turns a
+    Ctrl-C into a ``KeyboardInterrupt`` traceback)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+        self._exiting = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._exiting or self.on_exit is None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+            return
+        self._exiting = True
+        self.on_exit()
+        timer = threading.Timer(EXIT_GRACE_S, self._begin_shutdown, args=(sig,))
+        timer.daemon = True
+        timer.start()
+
+    def _begin_shutdown(self, sig: int) -> None:
+        if not self.should_exit:
+            super().handle_exit(sig, None)
+            self._captured_signals.clear()
 
 
-def resolve_address(host: str | None = None, port: int | None = None) -> tuple[str, int]:
-    """``host`` / ``port``, else ``GRADIO_SERVER_NAME`` / ``GRADIO_SERVER_PORT`` (as on Hugging Face
-    Spaces), else 127.0.0.1 and the first free port from 7860 (as ``demo.launch`` does)."""
-    host = host or os.environ.get("GRADIO_SERVER_NAME") or DEFAULT_HOST
-    if port is None and os.environ.get("GRADIO_SERVER_PORT"):
-        port = int(os.environ["GRADIO_SERVER_PORT"])
-    if port is None:
-        port = next((p for p in range(DEFAULT_PORT, DEFAULT_PORT + 100) if _port_free(host, p)), DEFAULT_PORT)
-    return host, port
+EXIT_GRACE_S = 0.5  # seconds between the engine ending its streams and uvicorn closing the connections
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str, limits: HTTPLimits | None = None,
-                   timeout_graceful_shutdown: int = 5) -> uvicorn.Config:
+                   timeout_graceful_shutdown: int = 2) -> uvicorn.Config:
     """uvicorn's configuration for ``app``: its httptools protocol bound to ``limits`` (None: ``app.state.http_limits``,
     else the defaults; :mod:`server.http_edge`) and their keep-alive timeout."""
     if limits is None:
@@ -139,11 +152,18 @@ def uvicorn_config(app, host: str, port: int, log_level: str, limits: HTTPLimits
                           timeout_graceful_shutdown=timeout_graceful_shutdown)
 
 
-def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted (Ctrl-C), with the HTTP limits of :func:`uvicorn_config`.
-    Address: see :func:`resolve_address`. The objects alive at the call are frozen out of the cyclic garbage
-    collector (``gc.freeze``)."""
-    host, port = resolve_address(host, port)
+def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_level: str = "info",
+          sock: socket.socket | None = None, on_exit: Callable[[], None] | None = None,
+          banner: str = "(UI at /, OpenAI API at /v1, metrics at /metrics)", limits: HTTPLimits | None = None) -> None:
+    """Run ``app`` with uvicorn until interrupted (Ctrl-C or SIGTERM), then return, with the HTTP limits of
+    :func:`uvicorn_config` (``limits``, else ``app.state.http_limits``). Address: ``sock`` (bound by
+    :func:`server.address.bind` before the engine loaded) or :func:`server.address.resolve_address`.
+    ``on_exit`` runs (in the signal handler) at the first Ctrl-C / SIGTERM, before the connections close: the
+    app ends its streams there. ``banner`` follows the address on the "Running on" line. The objects alive at
+    the call are frozen out of the cyclic garbage collector (``gc.freeze``)."""
+    if sock is None:
+        sock = bind(host, port)
+    host, port = sock.getsockname()[:2]
     # What is alive now (model, engine, page: about 500,000 objects for the playground) lives as long as
     # the process: collect the start's garbage, then freeze the rest out of the cyclic collector's sight,
     # so a full collection (server.memory.MemoryRelease after large bodies, or Python's own) takes
@@ -151,8 +171,8 @@ def serve(app: FastAPI, host: str | None = None, port: int | None = None, log_le
     gc.collect()
     gc.freeze()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    print(f"* Running on http://{shown}:{port}  (UI at /, OpenAI API at /v1, metrics at /metrics)", flush=True)
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    print(f"* Running on http://{shown}:{port}  {banner}", flush=True)
+    _Server(uvicorn_config(app, host, port, log_level, limits), on_exit).run(sockets=[sock])
 
 
 class ServerThread:

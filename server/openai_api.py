@@ -163,6 +163,17 @@ class OpenAIServer:
             self.metrics.reject("unavailable")
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_not_running")
 
+    def _failure(self, out: RequestOutput) -> APIError | None:
+        """The error a request's (final) output ends with: a failed request's (500), or a 503 for a request
+        aborted because the server is shutting down (``engine.closing``); None otherwise."""
+        error = _error_of(out)
+        if error is not None:
+            return APIError(500, error, type="internal_error", code=500)
+        closing = getattr(self.engine, "closing", None)
+        if closing and out.finished and any(o.finish_reason == "abort" for o in out.outputs):
+            return APIError(503, closing, type="service_unavailable", code="server_shutting_down")
+        return None
+
     # -------------------------------------------------------------- generation
     async def start(self, request: Request, prompt, params: SamplingParams, rid: str, prompt_param: str,
                     cache_salt: str | None) -> tuple[AsyncGenerator[RequestOutput, None], RequestOutput]:
@@ -191,10 +202,10 @@ class OpenAIServer:
         except RuntimeError as e:
             self.metrics.reject("unavailable")
             raise APIError(503, str(e), type="service_unavailable", code="engine_not_running") from None
-        error = _error_of(first) if first.finished or first.error else None  # n > 1: a child may fail first
-        if error is not None:  # failed before anything was sent: a plain 500, streaming or not
+        failure = self._failure(first) if first.finished or first.error else None  # n > 1: a child may fail first
+        if failure is not None:  # failed before anything was sent: a plain 500 (503 at shutdown), streaming or not
             await agen.aclose()
-            raise APIError(500, error, type="internal_error", code=500)
+            raise failure
         return agen, first
 
     async def complete(self, request: Request, agen, first: RequestOutput) -> RequestOutput:
@@ -213,8 +224,9 @@ class OpenAIServer:
     def stream(self, agen, first: RequestOutput, rid: str, responder, include_usage: bool) -> StreamingResponse:
         """Server-sent events from the engine's outputs. ``responder`` (:mod:`server.responses`) builds the
         opening chunks (chat: each choice's role) and then each choice's chunk of new text and tokens.
-        Each choice's finish reason is sent once, with its last text; a failed request ends with an
-        ``{"error": ...}`` event. Leaving early (client gone) aborts the request."""
+        Each choice's finish reason is sent once, with its last text; a failed request, or one aborted by
+        the server's shutdown, ends with an ``{"error": ...}`` event (then ``[DONE]``). Leaving early (client
+        gone) aborts the request."""
         state = {"finished": False}
 
         async def events():
@@ -223,9 +235,9 @@ class OpenAIServer:
                     yield _sse(chunk)
                 out, ended = first, set()
                 while True:
-                    error = _error_of(out)
-                    if error is not None:
-                        yield _sse(APIError(500, error, type="internal_error", code=500).body())
+                    failure = self._failure(out)
+                    if failure is not None:
+                        yield _sse(failure.body())
                         break
                     for c in out.outputs:
                         if c.index in ended:
@@ -281,9 +293,9 @@ class OpenAIServer:
         if body.stream:
             return self.stream(agen, first, rid, responder, responder.o.include_usage)
         final = await self.complete(request, agen, first)
-        error = _error_of(final)
-        if error is not None:
-            raise APIError(500, error, type="internal_error", code=500)
+        failure = self._failure(final)
+        if failure is not None:
+            raise failure
         responder.opening(final)
         return JSONResponse(responder.response(final))
 

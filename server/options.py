@@ -79,13 +79,14 @@ SERVER_OPTIONS: tuple[Option, ...] = (
 
 
 def add_server_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None,
-                       defaults: Mapping[str, object] | None = None) -> None:
-    """Add :data:`SERVER_OPTIONS` to ``parser`` (see :func:`engine.options.add_options`).
+                       defaults: Mapping[str, object] | None = None, title: str | None = None) -> None:
+    """Add :data:`SERVER_OPTIONS` to ``parser`` (see :func:`engine.options.add_options`), in an argument
+    group when ``title`` is given.
 
     Raises:
         ValueError: a ``CBP_*`` variable in ``env`` holds an invalid value.
     """
-    add_options(parser, SERVER_OPTIONS, env=env, defaults=defaults)
+    add_options(parser, SERVER_OPTIONS, env=env, defaults=defaults, title=title)
 
 
 @dataclass(frozen=True)

@@ -384,12 +384,12 @@ def test_metadata_outside_the_cache_is_refused_not_a_crash(ext):
     bt = torch.tensor([[1]], dtype=torch.int32)
     lens = torch.tensor([3], dtype=torch.int32)
     qsl = torch.tensor([0, 3], dtype=torch.int32)
-    ext.paged_attention(out, q, kc, vc, bt, lens, qsl, 0.25)  # valid: runs
+    ext.paged_attention(out, q, kc, vc, bt, lens, qsl, 0.25, False, False)  # valid: runs
     with pytest.raises(RuntimeError, match="block table entry"):
-        ext.paged_attention(out, q, kc, vc, torch.tensor([[10**6]], dtype=torch.int32), lens, qsl, 0.25)
+        ext.paged_attention(out, q, kc, vc, torch.tensor([[10**6]], dtype=torch.int32), lens, qsl, 0.25, False, False)
     with pytest.raises(RuntimeError, match="query_start_loc"):
         ext.paged_attention(out, q, kc, vc, bt, torch.tensor([5], dtype=torch.int32),
-                            torch.tensor([2, 5], dtype=torch.int32), 0.25)
+                            torch.tensor([2, 5], dtype=torch.int32), 0.25, False, False)
     k = torch.randn(3, 2, 16)
     with pytest.raises(RuntimeError, match="same shape"):
         ext.reshape_and_cache(k, k.clone(), kc, vc[:2], torch.tensor([0, 1, 2]))
@@ -412,34 +412,14 @@ def test_build_name_has_a_tag_of_the_sources_and_the_checkout(tmp_path, monkeypa
     assert cpu_ops._source_tag() not in (tag, other_checkout)
 
 
-def test_a_lock_left_by_a_killed_build_is_waited_for_with_a_warning_then_removed(tmp_path, monkeypatch, caplog):
-    """A young lock file may belong to a build in progress: the loader waits, saying so at WARNING (torch
-    itself would wait forever without a word), and removes it once it is older than STALE_LOCK_S."""
-    import time
+def test_a_forced_cpu_class_builds_in_a_folder_of_its_own(monkeypatch):
+    """``CBP_CPU_MAX_ISA`` below this CPU's class changes the compiler flags, so the build folder: a forced
+    class never loads (or overwrites) the native build. (The build's lock and concurrency:
+    tests/test_kernel_build.py.)"""
+    from kernels import cpu_features
 
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    monkeypatch.setattr(cpu_ops, "STALE_LOCK_S", 0.6)
-    monkeypatch.setattr(cpu_ops, "LOCK_POLL_S", 0.05)
-    t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kernels"):
-        cpu_ops._clear_stale_lock(str(tmp_path))
-    assert not lock.exists() and 0.4 < time.monotonic() - t0 < 10
-    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("waiting for another process's build" in m for m in messages), messages
-    assert any("removing" in m and "interrupted build" in m for m in messages), messages
-
-
-def test_a_lock_that_its_build_removes_ends_the_wait(tmp_path, monkeypatch, caplog):
-    import threading
-    import time
-
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    monkeypatch.setattr(cpu_ops, "LOCK_POLL_S", 0.05)
-    threading.Timer(0.3, lock.unlink).start()  # the other process's build ends
-    t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kernels"):
-        cpu_ops._clear_stale_lock(str(tmp_path))
-    assert 0.2 < time.monotonic() - t0 < 10
-    assert not any("removing" in r.getMessage() for r in caplog.records)
+    monkeypatch.delenv("CBP_CPU_MAX_ISA", raising=False)
+    native = cpu_ops.extension_name()
+    for cap in cpu_features.executable_classes()[:-1]:  # the classes below this CPU's own
+        monkeypatch.setenv("CBP_CPU_MAX_ISA", cap)
+        assert cpu_ops.cflags()[-1].startswith("-mno-") and cpu_ops.extension_name() != native

@@ -290,6 +290,7 @@ def test_linear_uses_the_own_gemm_where_the_rule_says_so(monkeypatch):
     monkeypatch.setattr(cpu_linear, "own_gemm_cpu", lambda: False)
     assert Linear(w, b).gemm is None
     monkeypatch.undo()
+    monkeypatch.delenv("CBP_CPU_OWN_GEMM", raising=False)  # the rule as it reads the CPU (a CI pass sets it to 0)
     rule = cpu_linear.own_gemm_cpu.__wrapped__  # the uncached rule
     monkeypatch.setattr(cpu_linear, "gemm_dot_products", lambda: False)
     monkeypatch.setattr(cpu_linear, "bf16_matmul_outruns_f32", lambda: True)

@@ -143,7 +143,10 @@ def test_detokenizer_fault_fails_that_request_alone(tiny_model, tokenizer, solo,
 
 def test_forward_failing_once_is_retried(tiny_model, tokenizer, solo, monkeypatch):
     """The forward raises once, in the last decoder layer (after the first layer wrote its K/V): the
-    step is run again and every request completes as if nothing happened."""
+    step is run again and every request completes as if nothing happened. The fault is patched into the
+    Python layer, so the test forces the Python layer loop: where every linear is on an own GEMM (float32 on
+    AVX2-only CPUs, bfloat16 on AVX512-BF16) the layers otherwise run in one C++ call that never calls it."""
+    monkeypatch.setenv("CBP_CPU_FUSED_LAYERS", "0")
     eng = new_core(tiny_model, tokenizer)
     own = eng.runner.own_forward  # the engine's own forward runs the tiny Llama; else transformers' layers
     layer = own.layers[-1] if own is not None else tiny_model.model.layers[-1]

