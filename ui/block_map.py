@@ -103,7 +103,7 @@ def block_map_spec(
 
 
 def _block_cells(snap: StepSnapshot | None, n: int, cols: int, colors: Mapping[str, int], L: Mapping[str, str],
-                 name, letters: Mapping[str, str] | None) -> tuple[list, list, list[Points], tuple]:
+                 name, letters: Mapping[str, str] | None) -> tuple[list, list, list[Points], tuple[list, list, list, list]]:
     """The per-block map's cells: ``(z, customdata, marks, letters_at)`` of :func:`block_map_spec` (marks:
     reused, shared, prefix hit, taken; letters_at: x, y, letter and ink of the letters, when ``letters``)."""
     rows = (n + cols - 1) // cols

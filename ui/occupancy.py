@@ -142,7 +142,8 @@ def occupancy_spec(
 
 
 def _slot_cells(snapshots: Sequence[StepSnapshot], n_slots: int, colors: Mapping[str, int], L: Mapping[str, str],
-                names: Mapping[str, str], letters: Mapping[str, str], cell: float) -> tuple[list, list, tuple, tuple]:
+                names: Mapping[str, str], letters: Mapping[str, str],
+                cell: float) -> tuple[list, list, tuple[list[float], list[int]], tuple[list, list, list, list]]:
     """The occupancy heatmap's cells: ``(z, customdata, admissions, letters_at)`` of :func:`occupancy_spec`
     (admissions: x and y of the ▷ marks; letters_at: x, y, letter and ink of each run's letter)."""
     z: list[list[int | None]] = [[None] * len(snapshots) for _ in range(n_slots)]
