@@ -281,7 +281,7 @@ def _grid(elem_id: str) -> gr.HTML:
                    js_on_load=DRAW_GRID_JS, scale=1, min_width=300, min_height=PLOT_HEIGHT, elem_id=elem_id)
 
 
-# the grids' frame (the page's CSS, ui/layout.py): a border like the other boxes', no padding to eat the plot
+# the grids' frame (the page's CSS, ui/page_markup.py): a border like the other boxes', no padding to eat the plot
 COMPARE_CSS = """
 #compare-static .cbp-fig, #compare-continuous .cbp-fig { border: 1px solid var(--border-color-primary);
   border-radius: var(--block-radius); overflow: hidden; }
