@@ -15,18 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine import Option, add_options
+from server.http_limits import (
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADER_FIELDS,
+    DEFAULT_MAX_URL_BYTES,
+    DEFAULT_TIMEOUT_KEEP_ALIVE,
+    DEFAULT_TIMEOUT_REQUEST_BODY,
+    DEFAULT_TIMEOUT_REQUEST_HEAD,
+    HTTPLimits,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: see the option's help
-# The edge's defaults (server.http_edge.HTTPLimits has the same): far above what browsers and SDKs send
-# (a browser's request head is 0.5-2 KiB in 10-20 fields, 8-16 KiB with many cookies; nginx refuses heads
-# over 32 KiB and URLs over 8 KiB, Node.js heads over 16 KiB, Apache more than 100 fields), and small
-# enough that a client gets nothing from pushing them: a head is refused before 64 KiB + one read is buffered.
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
-DEFAULT_MAX_HEADER_FIELDS = 256  # vLLM's (CVE-2025-48956)
-DEFAULT_MAX_URL_BYTES = 16 * 1024
-DEFAULT_TIMEOUT_REQUEST_HEAD = 20.0  # seconds (Apache's mod_reqtimeout: 20-40 s for a head)
-DEFAULT_TIMEOUT_REQUEST_BODY = 60.0  # seconds
-DEFAULT_TIMEOUT_KEEP_ALIVE = 5  # seconds (uvicorn's)
 
 SERVER_OPTIONS: tuple[Option, ...] = (
     Option("host", str, None, "address to bind (default: GRADIO_SERVER_NAME or 127.0.0.1; 0.0.0.0 for all)"),
@@ -133,10 +132,8 @@ def cors_settings(args: argparse.Namespace) -> CORSSettings:
     return cors
 
 
-def http_limits(args: argparse.Namespace):
-    """The :class:`server.http_edge.HTTPLimits` of the parsed options."""
-    from server.http_edge import HTTPLimits
-
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """The :class:`server.http_limits.HTTPLimits` of the parsed options."""
     return HTTPLimits(max_header_bytes=args.max_header_bytes, max_header_fields=args.max_header_fields,
                       max_url_bytes=args.max_url_bytes, timeout_request_head=args.timeout_request_head,
                       timeout_request_body=args.timeout_request_body, timeout_keep_alive=args.timeout_keep_alive)

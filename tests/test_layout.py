@@ -3,7 +3,8 @@
 Imports run one way: ``app.py`` -> ``ui`` / ``server`` -> ``engine`` -> ``kernels``. ``bench`` (the
 benchmark harness) may import anything, and nothing but the tests imports ``bench``. ``ui`` and
 ``server`` are siblings and never import each other, and they use only the engine's public API (the names
-``engine/__init__.py`` exports), never its modules. Every Python file stays under 500 lines.
+``engine/__init__.py`` exports), never its modules. Every Python file stays under 500 lines, every
+function under 80 (Triton kernels excepted).
 """
 
 from __future__ import annotations
@@ -129,3 +130,45 @@ def test_every_python_file_is_under_500_lines():
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, (f"LAYOUT RULE: every Python file must be at most {MAX_LINES} lines; split these by job: "
                       + ", ".join(f"{k} ({v} lines)" for k, v in sorted(long.items())))
+
+
+MAX_FUNCTION_LINES = 80
+FUNCTION_SOURCES = ("app.py", "engine", "kernels", "server", "ui", "bench")  # the tests are not measured
+LONG_FUNCTIONS_BEING_CUT = {  # cut on another branch of the same issue; nothing of ui/ may stand here
+    "kernels/triton_ops.py:paged_attention", "server/openai_api.py:create_api",
+    "bench/step_profile.py:profile_decode_step", "bench/systems.py:run_ours", "bench/systems.py:run_hf_cb",
+    "bench/cli.py:main",
+}
+
+
+def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether a function is a Triton kernel (``@triton.jit`` or ``@triton.jit(...)``): one GPU program,
+    measured apart."""
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if (isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name)
+                and target.value.id == "triton"):
+            return True
+    return False
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """``"path:name" -> lines`` of every function (methods and nested ones included) over ``limit`` lines,
+    from its ``def`` line to its last line, in :data:`FUNCTION_SOURCES`; Triton kernels excepted."""
+    files = [ROOT / "app.py"] + [p for d in FUNCTION_SOURCES[1:] for p in python_files(d)]
+    out = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out[f"{path.relative_to(ROOT)}:{node.name}"] = n
+    return out
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Layout rule: no function over 80 lines (cut a long one into named parts by job, not by room left)."""
+    long = {k: n for k, n in long_functions().items() if k not in LONG_FUNCTIONS_BEING_CUT}
+    assert not long, (f"LAYOUT RULE: every function must be at most {MAX_FUNCTION_LINES} lines; cut these into "
+                      "named parts: " + ", ".join(f"{k} ({v} lines)" for k, v in sorted(long.items())))
+    assert not [k for k in LONG_FUNCTIONS_BEING_CUT if k.startswith("ui/")]

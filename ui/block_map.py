@@ -4,66 +4,24 @@ in tiles (:mod:`ui.block_tiles`)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 
 import plotly.graph_objects as go
 
 from engine import StepSnapshot
-from ui.figure_base import (
-    FONT_FAMILY,
-    LABELS_EN,
-    _figure,
-    _mine_trace,
-    _rect_path,
-    _spec,
-    cell_px,
-    fixed_legend,
-    ink,
-    legend_entry,
-    letters_trace,
-    mine_legend,
-    origin_text,
+from ui.block_grid import (
+    BLOCK_CELL_LIMIT,
+    LETTER_MIN_PX,
+    Points,
+    _mark,
+    block_grid_columns,
+    block_grid_spec,
+    grid_cell_px,
+    outline_cells,
 )
-from ui.palette import (
-    CACHED_CODE,
-    CACHED_COLOR,
-    COLORSCALE,
-    FREE_CODE,
-    GRID_COLOR,
-    OUTSIDE_MARK_COLOR,
-    PALETTE,
-    ZRANGE,
-    K,
-    default_colors,
-)
-
-BLOCK_CELL_LIMIT = 2048  # blocks: a larger pool is drawn in tiles of blocks (ui/block_tiles.py)
-BLOCK_MARGIN = {"l": 40, "r": 10, "t": 10}  # pixels; the bottom margin holds the two-line legend
-LETTER_MIN_PX = 12  # cells smaller than this (either side) carry no letter
-
-
-MARKERS = {  # the block map's marks (``marker`` of their traces and legend entries)
-    "reused": {"symbol": "circle", "size": 5, "color": "white", "line": {"color": "black", "width": 0.7}},
-    "shared": {"symbol": "diamond-open", "size": 8, "color": "black"},
-    "hit": {"symbol": "star", "size": 8, "color": "gold", "line": {"color": "black", "width": 0.5}},
-    "outside": {"symbol": "x-thin", "size": 7, "color": OUTSIDE_MARK_COLOR, "line": {"color": OUTSIDE_MARK_COLOR, "width": 1}},
-    "taken": {"symbol": "triangle-right", "size": 10, "color": "white", "line": {"color": "black", "width": 1}},
-}
-
-
-def _markers(points: tuple[list, list], name: str, marker: dict) -> dict:
-    """A marker trace with no legend entry of its own and no hover (the cell under it keeps its own)."""
-    return dict(type="scatter", x=points[0], y=points[1], mode="markers", name=name, hoverinfo="skip",
-                showlegend=False, marker=marker)
-
-
-def block_grid_columns(num_blocks: int) -> int:
-    """Columns of the block map: a wide rectangle, about 3 columns per row, 8 to 64 columns."""
-    cols = 8
-    while cols < 64 and cols * cols < 3 * num_blocks:
-        cols += 8
-    return cols
+from ui.block_tiles import block_tiles_highlight, block_tiles_spec
+from ui.figure_base import LABELS_EN, _figure, _spec, ink, origin_text
+from ui.palette import CACHED_CODE, FREE_CODE, PALETTE, K, default_colors, request_label
 
 
 def _block_grid(snap: StepSnapshot | None, columns: int | None, num_blocks: int | None) -> tuple[int, int, int]:
@@ -73,15 +31,8 @@ def _block_grid(snap: StepSnapshot | None, columns: int | None, num_blocks: int 
     return n, cols, (n + cols - 1) // cols
 
 
-def _mark(points: tuple[list[float], list[float]], x: float, y: float) -> None:
-    """Add the point ``(x, y)`` to a marker trace's x and y lists."""
-    points[0].append(x)
-    points[1].append(y)
-
-
 def _namer(letters: Mapping[str, str] | None, colors: Mapping[str, int], lang: str):
     """request id -> ``"teal D (chat-1a2b)"`` when the request has a letter, else the id."""
-    from ui.palette import request_label
 
     def name(rid: str) -> str:
         if letters and rid in letters and rid in colors:
@@ -120,7 +71,8 @@ def block_map_spec(
     each owned block's request letter in it. ``customdata[5]`` is the
     held block's provenance (:func:`origin_text`: taken at step N, whose it was, the step it was freed).
     Markers and letters take no hover: the cell under them keeps its own. The legend's entries are the same
-    at every step (fixed layout: :func:`ui.figure_base.fixed_legend`).
+    at every step (fixed layout: :func:`ui.figure_base.fixed_legend`). The frame around the cells (marks,
+    legend, axes) is :func:`ui.block_grid.block_grid_spec`.
 
     Args:
         snap: the step to draw, or None before the first step.
@@ -136,11 +88,25 @@ def block_map_spec(
     L = {**LABELS_EN, **(labels or {})}
     n, cols, rows = _block_grid(snap, columns, num_blocks)
     if n > BLOCK_CELL_LIMIT:  # a large pool: one cell per tile of blocks (ui/block_tiles.py)
-        return importlib.import_module("ui.block_tiles").block_tiles_spec(snap, colors, labels, height, num_blocks)
+        return block_tiles_spec(snap, colors, labels, height, num_blocks)
     if n == 0:
         return _spec([], {"height": height, "margin": {"l": 10, "r": 10, "t": 10, "b": 10}})
     colors = dict(colors) if colors is not None else default_colors([snap] if snap is not None else [])
-    name = _namer(letters, colors, lang)
+    lettered = bool(letters) and grid_cell_px(height, cols, rows) >= LETTER_MIN_PX
+    z, cd, marks, text_at = _block_cells(snap, n, cols, colors, L, _namer(letters, colors, lang),
+                                         letters if lettered else None)
+    hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
+             f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
+             f"{L['reused']}: %{{customdata[4]}}<br>%{{customdata[5]}}<extra></extra>")
+    return block_grid_spec(n, cols, z, cd, hover, marks, L, height, lambda r: str(r * cols),
+                           text_at if lettered else None)
+
+
+def _block_cells(snap: StepSnapshot | None, n: int, cols: int, colors: Mapping[str, int], L: Mapping[str, str],
+                 name, letters: Mapping[str, str] | None) -> tuple[list, list, list[Points], tuple[list, list, list, list]]:
+    """The per-block map's cells: ``(z, customdata, marks, letters_at)`` of :func:`block_map_spec` (marks:
+    reused, shared, prefix hit, taken; letters_at: x, y, letter and ink of the letters, when ``letters``)."""
+    rows = (n + cols - 1) // cols
     if snap is not None:
         owners, tokens, refcount, reuses = snap.block_owners(), snap.block_tokens, snap.block_refcount, snap.block_reuses
         cached, hit_blocks = snap.cached_blocks, snap.cache_hit_blocks
@@ -150,11 +116,8 @@ def block_map_spec(
         cached, hit_blocks, origins, taken_now = frozenset(), frozenset(), {}, set()
     z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
     cd = [[(-1, "", 0, 0, 0, "")] * cols for _ in range(rows)]
-    marks: list[tuple[list[float], list[float]]] = [([], []) for _ in range(4)]  # x and y of each marker trace
+    marks: list[Points] = [([], []) for _ in range(4)]  # x and y of each marker trace
     reused, shared, hits, taken = marks
-    legend, margin_b = fixed_legend(8, lines=2)
-    plot_h = height - BLOCK_MARGIN["t"] - margin_b["b"]
-    cell = min(cell_px(720, cols), cell_px(plot_h, rows))
     text_at: tuple[list, list, list, list] = ([], [], [], [])  # x, y, letter, ink
     for b in range(n):
         r, c = divmod(b, cols)
@@ -171,7 +134,7 @@ def block_map_spec(
                 _mark(hits, c + 0.3, r + 0.25)
             if b in taken_now:
                 _mark(taken, c - 0.3, r)
-            if letters and own[0] in letters and cell >= LETTER_MIN_PX:
+            if letters and own[0] in letters:
                 for lst, v in zip(text_at, (c, r, letters[own[0]], ink(PALETTE[colors.get(own[0], 0) % K]))):
                     lst.append(v)
         elif b in cached:
@@ -181,38 +144,7 @@ def block_map_spec(
             z[r][c] = FREE_CODE
             state = L["free"]
         cd[r][c] = (b, state, tokens[b], refcount[b], reuses[b], origin_text(origins.get(b), L, name) if own else "")
-    outside = [(c, rows - 1) for c in range(n - (rows - 1) * cols, cols)]
-    hover = (f"{L['block']} <b>%{{customdata[0]}}</b><br>{L['owner']}: <b>%{{customdata[1]}}</b><br>"
-             f"{L['filled']}: %{{customdata[2]}}<br>{L['refcount']}: %{{customdata[3]}}<br>"
-             f"{L['reused']}: %{{customdata[4]}}<br>%{{customdata[5]}}<extra></extra>")
-    mark = max(7.0, min(14.0, 0.4 * cell))
-    traces: list[dict] = [
-        dict(type="heatmap", z=z, customdata=cd, hovertemplate=hover, colorscale=COLORSCALE, showscale=False,
-             xgap=1, ygap=1, hoverongaps=False, name="blocks", **ZRANGE),
-        _markers(reused, L["reused_marker"], MARKERS["reused"]),
-        _markers(shared, L["shared"], MARKERS["shared"]),
-        legend_entry(L["cached"], {"symbol": "square", "size": 10, "color": CACHED_COLOR}),
-        _markers(hits, L["cache_hit"], MARKERS["hit"]),
-        _markers(([c for c, _ in outside], [r for _, r in outside]), L["outside"], MARKERS["outside"]),
-        {**_markers(taken, L["taken_marker"], {**MARKERS["taken"], "size": mark}), "cliponaxis": False},
-        mine_legend(L["mine"]),
-    ]
-    # the legend: the same entries at every step (a trace with no points would drop out of it)
-    traces += [legend_entry(L[k], MARKERS[m]) for k, m in (("reused_marker", "reused"), ("shared", "shared"),
-                                                           ("cache_hit", "hit"), ("taken_marker", "taken"))]
-    if outside:  # the same for every step of one pool
-        traces.append(legend_entry(L["outside"], MARKERS["outside"]))
-    if letters and cell >= LETTER_MIN_PX:
-        traces.append(letters_trace(*text_at, size=min(16.0, 0.55 * cell)))
-    every = max(1, rows // 8)
-    layout = dict(
-        height=height, margin={**BLOCK_MARGIN, **margin_b}, plot_bgcolor=GRID_COLOR, legend=legend,
-        uirevision="blocks", font={"family": FONT_FAMILY},
-        xaxis={"showgrid": False, "zeroline": False, "showticklabels": False, "range": [-0.5, cols - 0.5]},
-        yaxis={"title": {"text": L["block"]}, "range": [rows - 0.5, -0.5], "showgrid": False, "zeroline": False,
-               "tickvals": list(range(0, rows, every)), "ticktext": [str(r * cols) for r in range(0, rows, every)]},
-    )
-    return _spec(traces, layout)
+    return z, cd, marks, text_at
 
 
 def block_map_figure(*args, **kwargs) -> go.Figure:
@@ -247,19 +179,6 @@ def block_map_highlight(
     L = {**LABELS_EN, **(labels or {})}
     n, cols, _rows = _block_grid(snap, columns, num_blocks)
     if n > BLOCK_CELL_LIMIT:
-        return importlib.import_module("ui.block_tiles").block_tiles_highlight(snap, request_id, labels, num_blocks)
+        return block_tiles_highlight(snap, request_id, labels, num_blocks)
     return outline_cells({b for b in snap.block_tables[request_id] if 0 <= b < n}, cols, L["mine"])
 
-
-def outline_cells(cells: set[int], cols: int, name: str) -> go.Scatter | None:
-    """A rectangle around each run of consecutive grid ``cells`` in a row (cell c: column c % cols); or None."""
-    runs: list[list[int]] = []  # [first cell, last cell] of each run within a row
-    for c in sorted(cells):
-        if runs and runs[-1][1] == c - 1 and c % cols:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    if not runs:
-        return None
-    x, y = _rect_path([(a % cols - 0.5, b % cols + 0.5, a // cols - 0.5, a // cols + 0.5) for a, b in runs])
-    return _mine_trace(x, y, name)

@@ -24,22 +24,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 import gradio as gr
 
-from engine import LLM, PHASE_IDLE, AsyncEngine, EngineConfig, EngineCore, SamplingParams, StepSnapshot
+from engine import PHASE_IDLE, EngineConfig, EngineCore, SamplingParams, StepSnapshot
 from ui import figures, i18n
 from ui.invariance import build_invariance_section
+from ui.model_source import ModelSource, model_of
 
 PLOT_HEIGHT = 280  # pixels per grid: header, controls, headline and both grids fit a 1366x768 screen
 # pixels around each grid's plot area: the title above, tick labels and axis title below, the request legend
 # at the right (outside the grid); with no margin auto-expansion the plot area is 214 px, 76% of the figure
 COMPARE_MARGIN = {"t": 30, "b": 36, "l": 50, "r": 120, "autoexpand": False}
-
-# where the Compare tab takes its loaded model and tokenizer from (see :func:`model_of`)
-ModelSource: TypeAlias = AsyncEngine | EngineCore | LLM | tuple[Any, Any]
-
 
 @dataclass(frozen=True)
 class ComparePreset:
@@ -124,20 +121,6 @@ class PolicyRun:
     def tokens_per_s(self) -> float:
         """Generated tokens per second of wall time (noisy on the small presets: the tab shows steps only)."""
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def model_of(source: ModelSource) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of an ``AsyncEngine``, an ``EngineCore``, an ``LLM`` or a
-    ``(model, tokenizer)`` pair (returned as it is)."""
-    if isinstance(source, tuple):
-        return source
-    if isinstance(source, AsyncEngine):
-        core = source.core
-    elif isinstance(source, LLM):
-        core = source.engine
-    else:
-        core = source
-    return core.model, core.tokenizer
 
 
 _SCHEDULE_MODELS: dict[tuple, Any] = {}
@@ -298,7 +281,7 @@ def _grid(elem_id: str) -> gr.HTML:
                    js_on_load=DRAW_GRID_JS, scale=1, min_width=300, min_height=PLOT_HEIGHT, elem_id=elem_id)
 
 
-# the grids' frame (the page's CSS, ui/layout.py): a border like the other boxes', no padding to eat the plot
+# the grids' frame (the page's CSS, ui/page_markup.py): a border like the other boxes', no padding to eat the plot
 COMPARE_CSS = """
 #compare-static .cbp-fig, #compare-continuous .cbp-fig { border: 1px solid var(--border-color-primary);
   border-radius: var(--block-radius); overflow: hidden; }

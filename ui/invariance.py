@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gradio as gr
 
 from engine import EngineConfig, EngineCore, SamplingParams
 from ui import i18n
-
-if TYPE_CHECKING:
-    from ui.compare import ModelSource  # ui.compare imports this module: no import at run time
+from ui.model_source import ModelSource, model_of
 
 TARGET_MESSAGE = "Write a short story about a lighthouse keeper and a storm."
 TARGET_TOKENS = 48  # tokens the target generates (EOS ignored)
@@ -204,14 +202,12 @@ def build_invariance_section(engine: ModelSource) -> dict[str, Any]:
 
     Args:
         engine: the app's ``AsyncEngine`` (its model and tokenizer are reused, its state is not touched),
-            or an ``EngineCore``, an ``LLM`` or a ``(model, tokenizer)`` pair (:func:`ui.compare.model_of`).
+            or an ``EngineCore``, an ``LLM`` or a ``(model, tokenizer)`` pair (:func:`ui.model_source.model_of`).
 
     Returns:
         The components by name: ``run`` (the button; its event is the API endpoint ``/invariance``, one run
         at a time) and ``result`` (the HTML).
     """
-    from ui.compare import model_of
-
     def on_run(request: gr.Request) -> str:
         lang = i18n.language(request.headers.get("accept-language") if request is not None else None)
         model, tokenizer = model_of(engine)

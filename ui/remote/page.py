@@ -25,7 +25,8 @@ import plotly.graph_objects as go
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, Response
 
-from ui.chat import ChatHandlers, session_of, settings_inputs
+from ui.chat import ChatHandlers, session_of
+from ui.chat_column import chat_column, chat_hidden, wire_chat
 from ui.remote.backend import BackendState, RemoteBackend
 from ui.remote.client import RemoteClient, RemoteLoad
 from ui.remote.figures import TIMELINE_NOTE, counters_html, kv_map_figure, kv_summary, publisher_lines, timeline_figure
@@ -50,8 +51,11 @@ REMOTE_CSS = """
 KV_OFF_NO_URL = ("KV map off: no --kv-events-url given. Start the server with KV cache events on (vLLM: "
                  "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                  "\"tcp://*:5557\"}', with prefix caching) and pass --kv-events-url tcp://host:5557.")
-LIVE_REPLY_HTML = ('<div id="live-reply" hidden><div id="live-reply-title"></div>'
-                   '<div id="live-reply-text"></div></div>')
+
+
+CHAT_TEXTS = {"chat": "chat (remote)", "placeholder": "Type a message", "send": "Send", "stop": "Stop", "clear": "Clear",
+              "sampling": "Sampling", "temperature": "temperature", "top_p": "top_p",
+              "max_new_tokens": "max new tokens"}  # the chat column's labels (ui.chat_column.chat_column)
 
 
 def kv_servers(endpoints: Sequence[str], urls: Sequence[str]) -> list[str | None]:
@@ -182,6 +186,12 @@ class RemoteHandlers:
         self.load.stop()
         return self.load.status()
 
+    async def on_load(self, request: gr.Request):
+        """A tab opened: its live area (with its session) and everything the timer draws (:meth:`refresh`)."""
+        session = session_of(request)
+        self.tabs[session] = time.monotonic()
+        return (f'<div id="cbp-live" data-cbp-session="{html.escape(session)}"></div>', *await self.refresh())
+
     # ------------------------------------------------------------------ panels, header, notice
     async def scrape(self) -> None:
         """Scrape every ``/metrics`` unless another tab did within the refresh period (in a worker thread), and
@@ -246,78 +256,63 @@ def build_remote_app(client: RemoteClient, scraper: MetricsScraper, kv_map: KVMa
     """
     h = RemoteHandlers(client, scraper, kv_map, subscribers, kv_off_reason, refresh_s, backend=backend,
                        notice=notice)
-    chat = h.chat
     with gr.Blocks(title="Continuous Batching Playground (remote)", fill_width=True) as demo:
-        header_md = gr.Markdown(h.header(), elem_id="remote-header")
-        first_notice = notice_markdown(h.backend.state, notice)
-        notice_md = gr.Markdown(first_notice, visible=bool(first_notice), elem_id="remote-notice")
+        header_md, notice_md = remote_header(h, notice)
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=360):
-                chatbot = gr.Chatbot(label="chat (remote)", height=430, elem_id="chatbot", buttons=["copy"],
-                                     feedback_options=None)
-                gr.HTML(LIVE_REPLY_HTML, padding=False, elem_id="live-reply-area")
-                with gr.Row():
-                    msg = gr.Textbox(show_label=False, placeholder="Type a message", scale=5, lines=1, max_lines=4,
-                                     elem_id="msg", submit_btn=False)
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="send")
-                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="stop")
-                    clear = gr.Button("Clear", scale=1, min_width=70, elem_id="clear")
-                with gr.Accordion("Sampling", open=False):
-                    temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="temperature")
-                    top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top_p")
-                    max_new = gr.Slider(1, 2048, value=256, step=1, label="max new tokens")
-                with gr.Accordion("Load generator", open=True):
-                    gr.Markdown("Synthetic chats (built-in prompts of varied length, 16-256 new tokens) sent to "
-                                "the remote server at a rate, streamed; shared by every tab of this page.",
-                                elem_classes="cbp-note")
-                    with gr.Row():
-                        n_chats = gr.Slider(1, 256, value=16, step=1, label="chats", elem_id="num-chats")
-                        rate = gr.Slider(0.5, 50, value=4, step=0.5, label="per second", elem_id="load-rate")
-                    with gr.Row():
-                        start_btn = gr.Button("Start load", variant="primary", elem_id="start-load")
-                        stop_btn = gr.Button("Stop load", variant="stop", elem_id="stop-load")
-                    load_md = gr.HTML('<div id="load-status"></div>', elem_id="load-status-area")
+                col = chat_column(CHAT_TEXTS, max_new_tokens=2048, seed=False)
+                n_chats, rate, start_btn, stop_btn, load_md = remote_load_generator()
             with gr.Column(scale=3, min_width=480):
-                gr.Markdown("### Counters per engine (from /metrics)")
-                counters = gr.HTML(counters_html([]), elem_id="remote-counters-area")
-                gr.Markdown(f"### This page's requests\n\n{TIMELINE_NOTE}", elem_classes="cbp-note")
-                timeline = gr.Plot(label="requests (client view)", elem_id="remote-timeline")
-                gr.Markdown("### KV map (from KV cache events)")
-                kv_plot = gr.Plot(label="KV blocks by hash", elem_id="remote-kv")
-                kv_md = gr.Markdown(elem_classes="cbp-note", elem_id="remote-kv-caption")
+                counters, timeline, kv_plot, kv_md = remote_panels()
         live_area = gr.HTML('<div id="cbp-live"></div>', padding=False, elem_id="cbp-live-area")
-        mine_box = gr.Textbox(visible=False)  # the reply's request id (start's third output)
-        commit_btn = gr.Button("commit", visible="hidden", elem_id="cbp-commit")  # clicked by ui/live.js
-        api_chat = gr.Button("chat", visible=False)  # carries the streaming /chat API for gradio_client
+        hidden = chat_hidden()
         timer = gr.Timer(refresh_s)
         outputs = [header_md, notice_md, counters, timeline, kv_plot, kv_md, load_md]
-
-        async def on_load(request: gr.Request):
-            session = session_of(request)
-            h.tabs[session] = time.monotonic()
-            return (f'<div id="cbp-live" data-cbp-session="{html.escape(session)}"></div>', *await h.refresh())
-
         timer.tick(h.refresh, None, outputs, show_progress="hidden", api_visibility="private", concurrency_limit=None)
-        demo.load(on_load, None, [live_area, *outputs], show_progress="hidden", api_visibility="private")
-        settings = settings_inputs(temperature, top_p, max_new)
-        locked = gr.on([msg.submit, send.click], lambda: gr.update(interactive=False), None, send,
-                       api_visibility="private", queue=False, trigger_mode="multiple")
-        started = locked.then(chat.start, [msg, chatbot], [chatbot, msg, mine_box], inputs_kwargs=settings,
-                              api_visibility="private", concurrency_limit=None, show_progress="hidden",
-                              trigger_mode="multiple")
-        started.then(chat.unlock_send, None, send, api_visibility="private", queue=False)
-        commit_btn.click(chat.commit, None, [chatbot, send], api_visibility="private", queue=False,
-                         trigger_mode="multiple")
-        api_chat.click(chat.respond_api, [msg, chatbot], [chatbot, msg], inputs_kwargs=settings, api_name="chat",
-                       concurrency_limit=None)
-        stop.click(chat.stop, None, None, api_name="stop", concurrency_limit=None)
-        clear.click(chat.clear, None, [chatbot, msg, send], api_name="clear", concurrency_limit=None)
+        demo.load(h.on_load, None, [live_area, *outputs], show_progress="hidden", api_visibility="private")
+        wire_chat(h.chat, col, hidden)
         start_btn.click(h.start_load, [n_chats, rate], load_md, api_name="start_load", concurrency_limit=None)
         stop_btn.click(h.stop_load, None, load_md, api_name="stop_load", concurrency_limit=None)
     demo.cbp_remote = h
     demo.cbp_router = h.router()
     demo.cbp_head = '<script src="cbp/live.js" data-refresh="0.25" defer></script>'
     return demo
+
+
+def remote_header(h: RemoteHandlers, notice: str | None) -> tuple[gr.Markdown, gr.Markdown]:
+    """The header (where chats go, what is scraped) and the notice under it (hidden while empty)."""
+    header_md = gr.Markdown(h.header(), elem_id="remote-header")
+    first_notice = notice_markdown(h.backend.state, notice)
+    notice_md = gr.Markdown(first_notice, visible=bool(first_notice), elem_id="remote-notice")
+    return header_md, notice_md
+
+
+def remote_load_generator() -> tuple[gr.Slider, gr.Slider, gr.Button, gr.Button, gr.HTML]:
+    """The load generator's accordion: ``(chats, rate, start, stop, status line)``."""
+    with gr.Accordion("Load generator", open=True):
+        gr.Markdown("Synthetic chats (built-in prompts of varied length, 16-256 new tokens) sent to "
+                    "the remote server at a rate, streamed; shared by every tab of this page.",
+                    elem_classes="cbp-note")
+        with gr.Row():
+            n_chats = gr.Slider(1, 256, value=16, step=1, label="chats", elem_id="num-chats")
+            rate = gr.Slider(0.5, 50, value=4, step=0.5, label="per second", elem_id="load-rate")
+        with gr.Row():
+            start_btn = gr.Button("Start load", variant="primary", elem_id="start-load")
+            stop_btn = gr.Button("Stop load", variant="stop", elem_id="stop-load")
+        load_md = gr.HTML('<div id="load-status"></div>', elem_id="load-status-area")
+    return n_chats, rate, start_btn, stop_btn, load_md
+
+
+def remote_panels() -> tuple[gr.HTML, gr.Plot, gr.Plot, gr.Markdown]:
+    """The panels column: ``(counters per engine, this page's request timeline, KV map, its caption)``."""
+    gr.Markdown("### Counters per engine (from /metrics)")
+    counters = gr.HTML(counters_html([]), elem_id="remote-counters-area")
+    gr.Markdown(f"### This page's requests\n\n{TIMELINE_NOTE}", elem_classes="cbp-note")
+    timeline = gr.Plot(label="requests (client view)", elem_id="remote-timeline")
+    gr.Markdown("### KV map (from KV cache events)")
+    kv_plot = gr.Plot(label="KV blocks by hash", elem_id="remote-kv")
+    kv_md = gr.Markdown(elem_classes="cbp-note", elem_id="remote-kv-caption")
+    return counters, timeline, kv_plot, kv_md
 
 
 def remote_mount_kwargs(demo: gr.Blocks | None = None) -> dict[str, Any]:
