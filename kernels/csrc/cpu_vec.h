@@ -1,6 +1,8 @@
 // Vector helpers shared by the CPU kernels (paged attention, fused elementwise ops): GCC/Clang vector
 // types of VL float lanes (16 with AVX-512, 8 otherwise), loads and stores, horizontal max and sum, a
 // polynomial 2^x, and element conversions between float32 and float32 / bfloat16 / float16 storage.
+// Compile-time knobs of these kernels are macros named KRN_* (tile sizes, paths); the CBP_* names belong to
+// the runtime switches and options, which are declared once in kernels/envs.py and passed in as arguments.
 #pragma once
 
 #include <torch/extension.h>

@@ -168,7 +168,7 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
-#define CBP_DISPATCH(dtype, FN, ...)                                                   \
+#define KRN_DISPATCH(dtype, FN, ...)                                                   \
   switch (dtype) {                                                                     \
     case at::kFloat: FN<float>(__VA_ARGS__); break;                                    \
     case at::kBFloat16: FN<at::BFloat16>(__VA_ARGS__); break;                          \
@@ -183,7 +183,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   check_rows(out, "out");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.dtype() == x.dtype() &&
               out.dtype() == x.dtype() && out.sizes() == x.sizes(), "rms_norm: shapes or dtypes differ");
-  CBP_DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, static_cast<float>(eps));
+  KRN_DISPATCH(x.scalar_type(), rms_norm_impl, out, x, weight, static_cast<float>(eps));
 }
 
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
@@ -192,7 +192,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.dtype() == x.dtype() &&
               residual.dtype() == x.dtype() && residual.sizes() == x.sizes(),
               "fused_add_rms_norm: shapes or dtypes differ");
-  CBP_DISPATCH(x.scalar_type(), fused_add_rms_norm_impl, x, residual, weight, static_cast<float>(eps));
+  KRN_DISPATCH(x.scalar_type(), fused_add_rms_norm_impl, x, residual, weight, static_cast<float>(eps));
 }
 
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
@@ -207,7 +207,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
               cos.size(1) == head_dim / 2 && sin.sizes() == cos.sizes(), "rotary_embedding: bad head_dim");
   TORCH_CHECK(k.dtype() == q.dtype() && cos.dtype() == q.dtype() && sin.dtype() == q.dtype(),
               "rotary_embedding: dtypes differ");
-  CBP_DISPATCH(q.scalar_type(), rope_impl, positions, q, k, cos, sin, head_dim);
+  KRN_DISPATCH(q.scalar_type(), rope_impl, positions, q, k, cos, sin, head_dim);
 }
 
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
@@ -215,7 +215,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   check_rows(out, "out");
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2 &&
               out.dtype() == x.dtype(), "silu_and_mul: out must be [num_tokens, x.size(1) / 2] of x's dtype");
-  CBP_DISPATCH(x.scalar_type(), silu_and_mul_impl, out, x);
+  KRN_DISPATCH(x.scalar_type(), silu_and_mul_impl, out, x);
 }
 
 void register_fused_ops(pybind11::module& m) {

@@ -57,29 +57,29 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define CBP_GEMM_AVX512 1
+#define KRN_GEMM_AVX512 1
 #else
-#define CBP_GEMM_AVX512 0
+#define KRN_GEMM_AVX512 0
 #endif
 
 namespace cbp {
 
 namespace {
 
-#if CBP_GEMM_AVX512
+#if KRN_GEMM_AVX512
 
-#ifndef CBP_GEMM_MR
-#define CBP_GEMM_MR 8
+#ifndef KRN_GEMM_MR
+#define KRN_GEMM_MR 8
 #endif
-#ifndef CBP_GEMM_NR
-#define CBP_GEMM_NR 3
+#ifndef KRN_GEMM_NR
+#define KRN_GEMM_NR 3
 #endif
-#ifndef CBP_GEMM_PANEL
-#define CBP_GEMM_PANEL 192
+#ifndef KRN_GEMM_PANEL
+#define KRN_GEMM_PANEL 192
 #endif
-constexpr int kMaxRows = CBP_GEMM_MR;        // MR: rows of a micro-tile
-constexpr int kMaxBlocks = CBP_GEMM_NR;      // NR: 16-column blocks of a micro-tile
-constexpr int64_t kPanelRows = CBP_GEMM_PANEL;  // rows of x that pass over one group of weights before the next group
+constexpr int kMaxRows = KRN_GEMM_MR;        // MR: rows of a micro-tile
+constexpr int kMaxBlocks = KRN_GEMM_NR;      // NR: 16-column blocks of a micro-tile
+constexpr int64_t kPanelRows = KRN_GEMM_PANEL;  // rows of x that pass over one group of weights before the next group
 // The VDPBF16PS path's tile from kWideMinRows rows on: 7 rows x 4 blocks (28 accumulators; the MR
 // broadcasts become memory operands of the instructions). Per pair of k it loads 4 weight vectors for 28
 // instructions instead of 3 for 24. On a 2-vCPU AMD EPYC (Zen 4: family 25 model 17), SmolLM2's four
@@ -87,15 +87,15 @@ constexpr int64_t kPanelRows = CBP_GEMM_PANEL;  // rows of x that pass over one 
 // by 1.02-1.03x); at 8 rows one 8 x 3 tile stays faster (the LM head: 1.06x). Not measured on Zen 5.
 // Any tile gives the same instructions per output in the same k order, so the choice by row count keeps
 // results bit-identical.
-#ifndef CBP_GEMM_DP_WIDE_MR
-#define CBP_GEMM_DP_WIDE_MR 7
+#ifndef KRN_GEMM_DP_WIDE_MR
+#define KRN_GEMM_DP_WIDE_MR 7
 #endif
-#ifndef CBP_GEMM_DP_WIDE_NR
-#define CBP_GEMM_DP_WIDE_NR 4
+#ifndef KRN_GEMM_DP_WIDE_NR
+#define KRN_GEMM_DP_WIDE_NR 4
 #endif
-constexpr int kWideRows = CBP_GEMM_DP_WIDE_MR;
-constexpr int kWideBlocks = CBP_GEMM_DP_WIDE_NR;
-constexpr int64_t kWidePanelRows = (CBP_GEMM_PANEL / kWideRows) * kWideRows;
+constexpr int kWideRows = KRN_GEMM_DP_WIDE_MR;
+constexpr int kWideBlocks = KRN_GEMM_DP_WIDE_NR;
+constexpr int64_t kWidePanelRows = (KRN_GEMM_PANEL / kWideRows) * kWideRows;
 constexpr int64_t kWideMinRows = 16;
 
 static_assert(VL == 16, "a column block is one AVX-512 vector of 16 float32 lanes");
@@ -156,7 +156,7 @@ inline void micro_tile(const float* x, int64_t xs, const uint16_t* w, int64_t bs
 }
 
 #if defined(__AVX512BF16__)
-#define CBP_GEMM_DP 1
+#define KRN_GEMM_DP 1
 // The same micro-tile on VDPBF16PS: x stays bfloat16 (X = uint16_t, row stride xs elements) and each
 // instruction adds the two products of a pair of k to the float32 accumulator of output (m, n), first
 // x[m, 2p + 1] W[n, 2p + 1], then x[m, 2p] W[n, 2p]: still one accumulator per output over p = 0 .. K/2 - 1
@@ -186,13 +186,13 @@ inline void micro_tile_dp(const uint16_t* x, int64_t xs, const uint16_t* w, int6
   store_tile<MR, NR>(acc, bias, out, os);
 }
 #else
-#define CBP_GEMM_DP 0
+#define KRN_GEMM_DP 0
 #endif
 
 template <int MR, int NR, bool DP, typename X>
 inline void tile(const X* x, int64_t xs, const uint16_t* w, int64_t bs, int64_t K2, const float* bias,
                  uint16_t* out, int64_t os, const uint16_t* next, int next_blocks) {
-#if CBP_GEMM_DP
+#if KRN_GEMM_DP
   if constexpr (DP) {
     micro_tile_dp<MR, NR>(x, xs, w, bs, K2, bias, out, os, next, next_blocks);
     return;
@@ -216,11 +216,11 @@ void row_tiles(const X* x, int64_t xs, int64_t M, const uint16_t* w, int64_t bs,
     const X* xr = x + m * xs;
     uint16_t* o = out + m * os;
     switch (h) {
-#define CBP_GEMM_TILE(r) \
+#define KRN_GEMM_TILE(r) \
       case r: if constexpr (r <= MR) tile<r, NR, DP>(xr, xs, w, bs, K2, bias, o, os, next, next_blocks); break;
-      CBP_GEMM_TILE(1) CBP_GEMM_TILE(2) CBP_GEMM_TILE(3) CBP_GEMM_TILE(4) CBP_GEMM_TILE(5) CBP_GEMM_TILE(6)
-      CBP_GEMM_TILE(7) CBP_GEMM_TILE(8) CBP_GEMM_TILE(9) CBP_GEMM_TILE(10) CBP_GEMM_TILE(11) CBP_GEMM_TILE(12)
-#undef CBP_GEMM_TILE
+      KRN_GEMM_TILE(1) KRN_GEMM_TILE(2) KRN_GEMM_TILE(3) KRN_GEMM_TILE(4) KRN_GEMM_TILE(5) KRN_GEMM_TILE(6)
+      KRN_GEMM_TILE(7) KRN_GEMM_TILE(8) KRN_GEMM_TILE(9) KRN_GEMM_TILE(10) KRN_GEMM_TILE(11) KRN_GEMM_TILE(12)
+#undef KRN_GEMM_TILE
       default: break;
     }
     next_blocks = 0;
@@ -274,14 +274,14 @@ void gemm_impl(const X* x, int64_t xs, int64_t M, int64_t K, const uint16_t* w, 
   gemm_tiles<kMaxRows, kMaxBlocks, kPanelRows, DP>(x, xs, M, K, w, NB, bias, out, os);
 }
 
-#endif  // CBP_GEMM_AVX512
+#endif  // KRN_GEMM_AVX512
 
 }  // namespace
 
-bool gemm_bf16_available() { return CBP_GEMM_AVX512 != 0; }
+bool gemm_bf16_available() { return KRN_GEMM_AVX512 != 0; }
 
-#if CBP_GEMM_AVX512
-bool gemm_bf16_dp_available() { return CBP_GEMM_DP != 0; }
+#if KRN_GEMM_AVX512
+bool gemm_bf16_dp_available() { return KRN_GEMM_DP != 0; }
 #else
 bool gemm_bf16_dp_available() { return false; }
 #endif
@@ -303,11 +303,11 @@ void gemm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::
     bias32 = bias.to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return;
-#if CBP_GEMM_AVX512
+#if KRN_GEMM_AVX512
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-#if CBP_GEMM_DP
+#if KRN_GEMM_DP
   if (dot_products) {
     gemm_impl<true>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, w, NB, b, o,
                     out.stride(0));

@@ -43,16 +43,16 @@
 #include "gemm_groups.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define CBP_GEMM_F32 1
+#define KRN_GEMM_F32 1
 #else
-#define CBP_GEMM_F32 0
+#define KRN_GEMM_F32 0
 #endif
 
 namespace cbp {
 
 namespace {
 
-#if CBP_GEMM_F32
+#if KRN_GEMM_F32
 
 constexpr int kVecs = 16 / VL;  // vectors per 16-column block (2 on AVX2, 1 on AVX-512)
 #if defined(__AVX512F__)
@@ -122,11 +122,11 @@ void row_tiles(const float* x, int64_t xs, int64_t M, const float* w, int64_t bs
   const float* xr = x + m * xs;
   float* o = out + m * os;
   switch (M - m) {
-#define CBP_GEMM_TAIL(r) \
+#define KRN_GEMM_TAIL(r) \
     case r: if constexpr (r < kMaxRows) micro_tile<r, NR>(xr, xs, w, bs, K, bias, o, os, next, next_blocks); break;
-    CBP_GEMM_TAIL(1) CBP_GEMM_TAIL(2) CBP_GEMM_TAIL(3) CBP_GEMM_TAIL(4) CBP_GEMM_TAIL(5) CBP_GEMM_TAIL(6)
-    CBP_GEMM_TAIL(7)
-#undef CBP_GEMM_TAIL
+    KRN_GEMM_TAIL(1) KRN_GEMM_TAIL(2) KRN_GEMM_TAIL(3) KRN_GEMM_TAIL(4) KRN_GEMM_TAIL(5) KRN_GEMM_TAIL(6)
+    KRN_GEMM_TAIL(7)
+#undef KRN_GEMM_TAIL
     default: break;
   }
 }
@@ -148,11 +148,11 @@ void gemm_impl(const float* x, int64_t xs, int64_t M, int64_t K, const float* w,
   });
 }
 
-#endif  // CBP_GEMM_F32
+#endif  // KRN_GEMM_F32
 
 }  // namespace
 
-bool gemm_f32_available() { return CBP_GEMM_F32 != 0; }
+bool gemm_f32_available() { return KRN_GEMM_F32 != 0; }
 
 void gemm_f32(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
   TORCH_CHECK(gemm_f32_available(), "gemm_f32: this build has neither AVX2 with FMA nor AVX-512");
@@ -170,7 +170,7 @@ void gemm_f32(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::T
     bias32 = bias.to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return;
-#if CBP_GEMM_F32
+#if KRN_GEMM_F32
   gemm_impl(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), NB,
             bias32.defined() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<float>(), out.stride(0));
 #endif

@@ -20,9 +20,9 @@
 // Two compute paths:
 //   * float32 FMAs on GCC vector types (16 lanes with AVX-512, 8 otherwise), K and V converted to
 //     float32, P kept in float32: the default for every dtype. bfloat16 K is transposed as 32-bit pairs
-//     of values, each pair then split by a shift and a mask (CBP_PACK_PAIRS: half the shuffles of a
+//     of values, each pair then split by a shift and a mask (KRN_PACK_PAIRS: half the shuffles of a
 //     float32 transpose); a tile of at most MR rows (a decode token's query heads) widens each V row as
-//     the P V micro-kernel reads it, a larger tile converts it once into float32 first (CBP_V_DIRECT).
+//     the P V micro-kernel reads it, a larger tile converts it once into float32 first (KRN_V_DIRECT).
 //     Both give the same float32 values in the same order, so a row's bits do not depend on its tile;
 //   * bfloat16 caches on AMD CPUs with AVX512_BF16 (CBP_CPU_QK_DOT=1 / 0 forces it on / off): Q K^T with
 //     vdpbf16ps on q and K pairs as they are (the products are exact in float32, as in the float32
@@ -39,7 +39,7 @@
 // head, the next chunk, or the first chunk of the item this thread most likely takes next) are
 // software-prefetched into L2: a sequence's blocks are scattered, so the hardware prefetchers meet a
 // new short stream at every block. Measured 1.17x on decode at 64 sequences x 159 tokens, bfloat16.
-// The prefetches are issued a few rows at a time, spread over the unit's work (CBP_PF_SPREAD): the
+// The prefetches are issued a few rows at a time, spread over the unit's work (KRN_PF_SPREAD): the
 // transposes of its K pack, its Q K^T column blocks and, for float32 caches, its P V passes over
 // head_dim. Not all at once: a burst of some 500 prefetches fills the core's miss buffers and its
 // reorder window, so the unit's own loads wait behind them. Spread over the pack only: 1.5-1.6x on
@@ -75,31 +75,31 @@
 
 namespace cbp {
 
-#ifndef CBP_KEY_CHUNK
-#define CBP_KEY_CHUNK 128
+#ifndef KRN_KEY_CHUNK
+#define KRN_KEY_CHUNK 128
 #endif
-#ifndef CBP_TILE_ROWS
-#define CBP_TILE_ROWS 96
+#ifndef KRN_TILE_ROWS
+#define KRN_TILE_ROWS 96
 #endif
-#ifndef CBP_DECODE_ALL_HEADS
-#define CBP_DECODE_ALL_HEADS 1
+#ifndef KRN_DECODE_ALL_HEADS
+#define KRN_DECODE_ALL_HEADS 1
 #endif
-#ifndef CBP_PACK_PAIRS
-#define CBP_PACK_PAIRS 1
+#ifndef KRN_PACK_PAIRS
+#define KRN_PACK_PAIRS 1
 #endif
-#ifndef CBP_V_DIRECT
-#define CBP_V_DIRECT 1
+#ifndef KRN_V_DIRECT
+#define KRN_V_DIRECT 1
 #endif
-#ifndef CBP_PF_SPREAD
-#define CBP_PF_SPREAD 1
+#ifndef KRN_PF_SPREAD
+#define KRN_PF_SPREAD 1
 #endif
-#ifndef CBP_MR
-#define CBP_MR 6
+#ifndef KRN_MR
+#define KRN_MR 6
 #endif
-constexpr int KEY_CHUNK = CBP_KEY_CHUNK;  // keys per online-softmax step (multiple of 16 and of VL)
-constexpr int TILE_ROWS = CBP_TILE_ROWS;  // target query rows (positions x group heads) per work item
-constexpr int MR = CBP_MR;                // query rows per micro-tile (at most 6)
-static_assert(1 <= MR && MR <= 6, "CBP_DISPATCH_ROWS covers micro-tiles of 1 to 6 query rows");
+constexpr int KEY_CHUNK = KRN_KEY_CHUNK;  // keys per online-softmax step (multiple of 16 and of VL)
+constexpr int TILE_ROWS = KRN_TILE_ROWS;  // target query rows (positions x group heads) per work item
+constexpr int MR = KRN_MR;                // query rows per micro-tile (at most 6)
+static_assert(1 <= MR && MR <= 6, "KRN_DISPATCH_ROWS covers micro-tiles of 1 to 6 query rows");
 constexpr int MAX_HEAD_DIM = 512;
 constexpr int MAX_ROWS = 1024;   // query rows of one work item (tile rows x group x KV heads)
 // register blocking of the float32 micro-kernels: MR rows x QK_NV vectors of keys (Q K^T) and
@@ -181,7 +181,7 @@ struct NoPrefetch {
 template <typename T, typename PF = NoPrefetch>
 static void pack_k_f32(const T* const* krow, int nk_pad, int D, float* KT, PF&& pf = PF{}) {
 #if defined(__AVX512F__)
-#if CBP_PACK_PAIRS
+#if KRN_PACK_PAIRS
   if constexpr (std::is_same<T, at::BFloat16>::value) {
     if (D % 32 == 0) {
       // transpose 32-bit pairs of bfloat16 (d, d + 1), then split each pair: half the shuffles per
@@ -324,7 +324,7 @@ static void pv_f32_pass(const float* P, int ldp, const TV* const* vrow, int nk, 
   pv_f32<R, PV_DV, TV>(P, ldp, vrow, nk, d0, O, ldo, alpha);
 }
 
-#define CBP_DISPATCH_ROWS(r, FN, ...)       \
+#define KRN_DISPATCH_ROWS(r, FN, ...)       \
   switch (r) {                              \
     case 1: FN<1>(__VA_ARGS__); break;      \
     case 2: FN<2>(__VA_ARGS__); break;      \
@@ -338,7 +338,7 @@ static void pv_f32_pass(const float* P, int ldp, const TV* const* vrow, int nk, 
 // the bfloat16 dot-product path (AVX512_BF16)
 // ------------------------------------------------------------------------------------------------
 #if defined(__AVX512BF16__)
-#define CBP_HAVE_BF16DP 1
+#define KRN_HAVE_BF16DP 1
 // KTp[(p * KEY_CHUNK + n) * 2 + {0,1}] = K[n][2p + {0,1}]: element pairs, keys in lanes.
 template <typename PF = NoPrefetch>
 static void pack_k_bf16(const uint16_t* const* krow, int nk_pad, int D, uint16_t* KTp, PF&& pf = PF{}) {
@@ -479,7 +479,7 @@ static void pv_bf16_rows(const uint16_t* P, int ldp, const uint16_t* Vp, int npa
   }
 }
 #else
-#define CBP_HAVE_BF16DP 0
+#define KRN_HAVE_BF16DP 0
 #endif
 
 // ------------------------------------------------------------------------------------------------
@@ -572,7 +572,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
   auto prefetch_rest = [&]() { while (pf_i < pf_n) prefetch_next(); };
   // The next unit's prefetches, pf_per rows at each tick(): ticks come once per 16 keys x 32 values of
   // the K pack, once per Q K^T column block and (float32 caches) once per P V pass over head_dim, so
-  // the prefetches run evenly over the whole unit (CBP_PF_SPREAD; with 0 they all wait for
+  // the prefetches run evenly over the whole unit (KRN_PF_SPREAD; with 0 they all wait for
   // prefetch_rest before P V). spread_prefetches(nk_pad) sets pf_per and returns the pack's hook.
   int pf_per = 0;
   auto tick = [&]() { for (int i = 0; i < pf_per; ++i) prefetch_next(); };
@@ -583,7 +583,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
     const int npv = std::is_same<T, float>::value && !BF16DP && D % (PV_DV * VL) == 0
                         ? D / (PV_DV * VL) * ((M + MR - 1) / MR) : 0;
     const int hooks = npack + nqk + npv;
-    pf_per = CBP_PF_SPREAD && hooks > 0 ? (pf_n + hooks - 1) / hooks : 0;
+    pf_per = KRN_PF_SPREAD && hooks > 0 ? (pf_n + hooks - 1) / hooks : 0;
     return [&tick]() { tick(); };
   };
   const T* zero = reinterpret_cast<const T*>(kZeroRow);
@@ -670,7 +670,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
       float* alpha = alpha_all + r0;
       float* Qf = Qf_all + (size_t)r0 * D;
       // 1-2: scores
-#if CBP_HAVE_BF16DP
+#if KRN_HAVE_BF16DP
       if constexpr (QK_BF16) {
         uint16_t* KTp = reinterpret_cast<uint16_t*>(KT);
         pack_k_bf16(reinterpret_cast<const uint16_t* const*>(krow), nk16, D, KTp, spread_prefetches(nk16));
@@ -678,7 +678,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
           const int nv16 = std::min(64, nk16 - n0) / 16;
           for (int m0 = 0; m0 < M; m0 += MR) {
             const int r = std::min(MR, M - m0);
-            CBP_DISPATCH_ROWS(r, qk_bf16_rows, reinterpret_cast<const uint16_t* const*>(qrow + m0), KTp + n0 * 2, D,
+            KRN_DISPATCH_ROWS(r, qk_bf16_rows, reinterpret_cast<const uint16_t* const*>(qrow + m0), KTp + n0 * 2, D,
                               nv16, S + m0 * KEY_CHUNK + n0, KEY_CHUNK);
           }
         }
@@ -691,7 +691,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
           const int nvb = std::min(QK_NV * VL, nv * VL - n0) / VL;
           for (int m0 = 0; m0 < M; m0 += MR) {
             const int r = std::min(MR, M - m0);
-            CBP_DISPATCH_ROWS(r, qk_f32_rows, Qf + m0 * D, D, KT + n0, D, nvb, S + m0 * KEY_CHUNK + n0, KEY_CHUNK);
+            KRN_DISPATCH_ROWS(r, qk_f32_rows, Qf + m0 * D, D, KT + n0, D, nvb, S + m0 * KEY_CHUNK + n0, KEY_CHUNK);
             tick();
           }
         }
@@ -726,7 +726,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
           vfloat p = BF16DP ? vexp2<5>(vload(s + n) * vsc - vm) : vexp2<7>(vload(s + n) * vsc - vm);
           if (n + VL > L) p = (lane + n) < L ? p : vfloat{};
           sum += p;
-#if CBP_HAVE_BF16DP
+#if KRN_HAVE_BF16DP
           if constexpr (BF16DP) {
             __m256bh h = _mm512_cvtneps_pbh((__m512)p);
             std::memcpy(reinterpret_cast<uint16_t*>(prow) + n, &h, 32);
@@ -742,7 +742,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
       }
 
       // 4: O = alpha O + P V
-#if CBP_HAVE_BF16DP
+#if KRN_HAVE_BF16DP
       if constexpr (BF16DP) {
         uint16_t* Vp = reinterpret_cast<uint16_t*>(Vf);
         const int npairs = (nk + 1) / 2;
@@ -752,7 +752,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
         for (int m0 = 0; m0 < M; m0 += MR) {
           const int r = std::min(MR, M - m0);
           // P rows are bf16 in the float rows of Pf: row m starts at Pb + 2 * KEY_CHUNK * m
-          CBP_DISPATCH_ROWS(r, pv_bf16_rows, Pb + (size_t)m0 * 2 * KEY_CHUNK, 2 * KEY_CHUNK, Vp, npairs, D, O + m0 * D,
+          KRN_DISPATCH_ROWS(r, pv_bf16_rows, Pb + (size_t)m0 * 2 * KEY_CHUNK, 2 * KEY_CHUNK, Vp, npairs, D, O + m0 * D,
                             D, alpha + m0);
         }
       } else
@@ -767,7 +767,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
             for (int m0 = 0; m0 < M; m0 += MR) {
               const int r = std::min(MR, M - m0);
               for (int d0 = 0; d0 < D; d0 += PV_DV * VL) {
-                CBP_DISPATCH_ROWS(r, pv_f32_pass, S + m0 * KEY_CHUNK, KEY_CHUNK, vrr, nk, d0, O + m0 * D, D, alpha + m0);
+                KRN_DISPATCH_ROWS(r, pv_f32_pass, S + m0 * KEY_CHUNK, KEY_CHUNK, vrr, nk, d0, O + m0 * D, D, alpha + m0);
                 tick();
               }
             }
@@ -776,11 +776,11 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
           }
           prefetch_rest();
           vr = reinterpret_cast<const float* const*>(vrow);
-        } else if (CBP_V_DIRECT && M <= MR) {
+        } else if (KRN_V_DIRECT && M <= MR) {
           // one row block (a decode tile): each V row is read once, so it is widened as the P V
           // micro-kernel reads it instead of being copied to float32 first
           prefetch_rest();
-          CBP_DISPATCH_ROWS(M, pv_f32_rows, S, KEY_CHUNK, vrow, nk, D, O, D, alpha);
+          KRN_DISPATCH_ROWS(M, pv_f32_rows, S, KEY_CHUNK, vrow, nk, D, O, D, alpha);
           continue;
         } else {
           for (int n = 0; n < nk; ++n) {
@@ -793,7 +793,7 @@ static void run_tile(const Args& a, const Work& w, Scratch& scratch, const Work*
         }
         for (int m0 = 0; m0 < M; m0 += MR) {
           const int r = std::min(MR, M - m0);
-          CBP_DISPATCH_ROWS(r, pv_f32_rows, S + m0 * KEY_CHUNK, KEY_CHUNK, vr, nk, D, O + m0 * D, D, alpha + m0);
+          KRN_DISPATCH_ROWS(r, pv_f32_rows, S + m0 * KEY_CHUNK, KEY_CHUNK, vr, nk, D, O + m0 * D, D, alpha + m0);
         }
       }
     }
@@ -901,7 +901,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   int num_decode = 0;
   for (int b = 0; b < num_seqs; ++b) num_decode += (a.qsl[b + 1] - a.qsl[b]) == 1;
   at::internal::lazy_init_num_threads();
-  const bool decode_all_heads = CBP_DECODE_ALL_HEADS && H <= MAX_ROWS && num_decode >= 4 * omp_get_max_threads();
+  const bool decode_all_heads = KRN_DECODE_ALL_HEADS && H <= MAX_ROWS && num_decode >= 4 * omp_get_max_threads();
 
   std::vector<Work> works;
   works.reserve(num_seqs * KVH);
@@ -936,7 +936,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     case at::kFloat: run_all<float, false>(a, works); break;
     case at::kHalf: run_all<at::Half, false>(a, works); break;
     case at::kBFloat16:
-#if CBP_HAVE_BF16DP
+#if KRN_HAVE_BF16DP
       // bf16 dot products (P rounded to bf16, as FlashAttention does) are faster, but on SmolLM2 they flip
       // near-tied greedy choices that float32 products keep: opt-in (CBP_CPU_BF16_DOT=1)
       if (bf16_dot) {
@@ -1005,7 +1005,7 @@ std::string isa() {
 #else
   s += "generic";
 #endif
-#if CBP_HAVE_BF16DP
+#if KRN_HAVE_BF16DP
   s += "+bf16dp";
 #endif
   s += " vl" + std::to_string(VL);
