@@ -126,8 +126,10 @@ def test_failed_and_stopped_turns_never_reach_a_later_request_and_the_notice_fol
         assert notice["value"].startswith("⚠️ The server does not answer at http://127.0.0.1:")
 
         stub.start()  # comes up after the page: header and notice follow, without a restart
-        header, notice, counters, *_ = await refresh_until(h, lambda o: not o[1]["visible"], "notice gone")
-        assert "model `stub-model`" in header and "(vllm)" in counters
+        # the notice follows the backend's probe, the counters the next scrape of /metrics (one refresh later at most)
+        header, notice, counters, *_ = await refresh_until(h, lambda o: not o[1]["visible"] and "(vllm)" in o[2],
+                                                           "notice gone and the counters read")
+        assert "model `stub-model`" in header
         assert "model `stub-model`" in h.header()  # what a new tab's load shows
 
         good, live = await turn(h, [], "hello")
