@@ -5,7 +5,7 @@
 A switch is an environment variable that changes how the engine computes (which kernel, which path, where
 the kernel build goes), not what it serves: the command-line options (``--max-num-seqs`` ...) are declared
 in :mod:`engine.options` and also read ``CBP_<OPTION>``. ``python app.py --help-switches`` and ``python -m
-engine --help-switches`` print :data:`SWITCHES` as a table; docs/kernels.md lists them too.
+engine --help-switches`` print :data:`SWITCHES` as a table; docs/options.md (generated) lists them too.
 
 This module imports nothing of the project and no third-party package: it sits at the bottom of the import
 order (``kernels`` is the lowest package).
