@@ -449,8 +449,8 @@ def main_remote(args: argparse.Namespace, sock: socket.socket | None = None) -> 
     import gradio as gr
     from fastapi import FastAPI
 
-    from server.app import serve
     from server.options import http_limits
+    from server.serving import serve
 
     app = FastAPI()
     app.include_router(demo.cbp_router)  # the chat's live channel, ahead of the mounted page

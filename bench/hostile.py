@@ -80,7 +80,7 @@ def start_server(port: int, protocol: str = "edge") -> subprocess.Popen:
             "from tests import _fuzz_server as f\n"
             "p = sys.argv[2]\n"
             "if p != 'edge':\n"
-            "    import server.app as a\n"
+            "    import server.serving as a\n"
             "    def cfg(app, host, port, log_level, limits=None, timeout_graceful_shutdown=5):\n"
             "        extra = {'h11_max_incomplete_event_size': 64 * 1024} if p == 'h11' else {}\n"
             "        return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=p, **extra)\n"

@@ -3,7 +3,8 @@ limits over one engine, served by uvicorn, optionally with a Gradio app mounted 
 
 Modules: :mod:`server.protocol` (request bodies, errors, checks), :mod:`server.metrics` (Prometheus),
 :mod:`server.ratelimit` (per-client limit), :mod:`server.openai_api` (routes, :func:`create_api`),
-:mod:`server.app` (:func:`build_server`, :func:`serve`, :class:`ServerThread`), :mod:`server.options`
+:mod:`server.app` (:func:`build_server`), :mod:`server.serving` (:func:`serve`, :class:`ServerThread`: uvicorn,
+without the engine), :mod:`server.options`
 (command-line options). Nothing here imports ``ui``.
 
 The exports below are loaded on first use, so that ``server.options`` (parsing a command line) does not
@@ -16,12 +17,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from server.app import ServerThread, build_server, serve
+    from server.app import build_server
     from server.openai_api import create_api
+    from server.serving import ServerThread, serve
 
 __all__ = ["ServerThread", "build_server", "create_api", "serve"]
 
-_WHERE = {"ServerThread": "server.app", "build_server": "server.app", "serve": "server.app",
+_WHERE = {"ServerThread": "server.serving", "build_server": "server.app", "serve": "server.serving",
           "create_api": "server.openai_api"}
 
 

@@ -18,7 +18,7 @@ reasons:
 whose body was at least ``large_bytes`` ends, at most once every ``min_interval_s`` seconds, so a long
 burst of large bodies is released as it goes and ordinary traffic (bodies of a few KiB) never pays for
 it. The collection takes milliseconds in the served app, whose start-up objects are frozen out of the
-collector's sight (``gc.freeze`` in :func:`server.app.serve`; without it, about 150 ms for the
+collector's sight (``gc.freeze`` in :func:`server.serving.serve`; without it, about 150 ms for the
 playground's objects). ``malloc_trim`` runs in a worker thread (ctypes releases the GIL); where the C
 library has no ``malloc_trim`` (not glibc), only the collection runs.
 """

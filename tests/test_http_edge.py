@@ -16,8 +16,8 @@ import time
 import pytest
 from fastapi import FastAPI, Request
 
-from server.app import ServerThread
 from server.http_edge import HTTPLimits
+from server.serving import ServerThread
 
 LIMITS = HTTPLimits(max_header_bytes=8192, max_header_fields=32, max_url_bytes=1024, timeout_request_head=1.0,
                     timeout_request_body=1.0, timeout_keep_alive=5)

@@ -194,7 +194,8 @@ def test_the_server_publishes_with_the_flag_and_speaks_vllms_metric_names(tiny_m
     from prometheus_client.parser import text_string_to_metric_families
 
     from engine.async_engine import AsyncEngine
-    from server.app import ServerThread, build_server
+    from server.app import build_server
+    from server.serving import ServerThread
 
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, telemetry_capacity=16),
                                     model=tiny_model, tokenizer=tokenizer))

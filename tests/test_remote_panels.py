@@ -4,6 +4,9 @@ counters one column per engine, and error texts that start with a plain sentence
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -75,3 +78,14 @@ def test_errors_start_with_a_sentence_and_keep_the_technical_text():
     assert notice_markdown(BackendState(reachable=True)) == ""
     down = notice_markdown(BackendState(reachable=False, error="The server does not answer."), "fixed line")
     assert down.startswith("⚠️ fixed line\n\n⚠️ The server does not answer. Chats fail until it answers")
+
+
+def test_remote_mode_imports_no_model_library():
+    """Remote mode runs no model: everything ``app.py --backend-url`` imports to serve the page (its page, client,
+    scraper, KV subscribers, uvicorn with the HTTP limits) loads without torch or transformers."""
+    code = ("import sys, app, ui.remote.page, ui.remote.backend, ui.remote.client, ui.remote.kv, ui.remote.metrics, "
+            "ui.queue_polling, server.serving, server.options; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

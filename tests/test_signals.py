@@ -80,7 +80,7 @@ def test_the_first_signal_ends_the_streams_before_uvicorn_shuts_down(monkeypatch
     """uvicorn handles SIGINT and SIGTERM alike; the first runs ``on_exit`` and starts uvicorn's shutdown a moment
     later (the streams' last events go out first); no signal is raised again after the shutdown (that would be a
     KeyboardInterrupt traceback)."""
-    from server import app as server_app
+    from server import serving as server_app
 
     assert {signal.SIGINT, signal.SIGTERM} <= set(uvicorn.server.HANDLED_SIGNALS)
     monkeypatch.setattr(server_app, "EXIT_GRACE_S", 0.05)
