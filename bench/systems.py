@@ -354,7 +354,7 @@ def replay_schedule(requests: Sequence[BenchRequest], policy: str = "continuous"
         n_sched = {q.request_id for q, _ in out.scheduled}
         idle += sum(1 for q in slots if q is not None and q.request_id not in n_sched)
         sampled = {q.request_id: 0 for q, n in out.scheduled if q.num_computed_tokens + n == q.num_tokens}
-        sched.update_from_output(out, sampled)
+        sched.apply_stops(*sched.update_from_output(out, sampled))  # token-level stops (EOS is ignored)
         steps += 1
         tokens = [0] * nb
         for q in sched.running:

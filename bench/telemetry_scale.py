@@ -2,7 +2,7 @@
 
 For each pool size an engine runs 8 greedy requests x 64 tokens at a time (new ones replace the finished)
 for a full telemetry ring (512 steps) and reports, per step, the time spent recording telemetry (the KV
-snapshot, its events and ``Telemetry.record``) and the step outside the forward; the ring's memory (deep
+events' provenance, the snapshot and ``Telemetry.record``: ``Telemetry.observe``) and the step outside the forward; the ring's memory (deep
 size of the kept snapshots plus the KV history's two states); and the block map of the newest step: build
 time (rebuilding the per-block state from the events included) and its Plotly JSON bytes. Pools up to
 ``--eager-upto`` blocks are also run with per-block tuples in every snapshot (what the telemetry did for
@@ -84,14 +84,14 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
     prompts = [render_chat(tokenizer, m) for m in chat_prompts(64)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rec: list[float] = []
-    real = core._record
+    real = core.telemetry.observe
 
-    def timed(*a, **k):
+    def timed(view):
         t = time.perf_counter()
-        real(*a, **k)
+        real(view)
         rec.append(time.perf_counter() - t)
 
-    core._record = timed  # type: ignore[method-assign]
+    core.telemetry.observe = timed  # type: ignore[method-assign]
     n = live = 0
     for _ in range(warmup + steps):
         while live < 8:
@@ -127,7 +127,7 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
 
 def worst_case_map(num_blocks: int = 360_000, requests: int = 2_000) -> dict:
     """Every block held (ids like ``chat-0123abcd``), some shared, reused and prefix hits: the map's bound."""
-    from engine.kv_cache import BlockTake
+    from engine.kv_events import BlockTake
     from engine.telemetry import StepSnapshot
     from ui import figures
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(None)
     model = tiny_model(len(tokenizer))
     print("pool: real KV tensors of a random 2-layer Llama (8 KiB per 16-token block); 8 greedy requests x 64 tokens")
-    print("record: ms per step in EngineCore._record (KV snapshot, events, StepSnapshot, Telemetry.record), median and p99;")
+    print("record: ms per step in Telemetry.observe (provenance of the events, StepSnapshot, Telemetry.record), median and p99;")
     print("ring: the 512 kept snapshots; history: the KV history's two replay states; map: newest step's block map")
     print(f"{'blocks':>8} {'snapshots':>10} {'record ms':>10} {'p99 ms':>7} {'outside fwd ms':>15} {'ring MiB':>9} "
           f"{'history MiB':>12} {'map ms':>7} {'map KB':>7} {'look-back ms':>13}")

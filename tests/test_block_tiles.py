@@ -3,7 +3,7 @@ above, with ownership, reuse, sharing, prefix hits and takes kept per tile and t
 
 import json
 
-from engine.kv_cache import BlockTake
+from engine.kv_events import BlockTake
 from engine.telemetry import StepSnapshot
 from ui import block_tiles as T
 from ui import figures as F
