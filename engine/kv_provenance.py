@@ -12,9 +12,9 @@ can say of each take what the panels show ("was A's, freed at step F"):
   (it keeps its first holder: its last holder and origin do not change).
 
 It also keeps the replayed :class:`engine.kv_events.BlockState` of every event so far (reuse counts,
-cached hashes, the take of every held block): the per-block fields of small pools' snapshots are read from
-it, and when a step's events were lost (a telemetry record that failed) the next step's events start with
-a :class:`engine.kv_events.KVFrame` of it, so every reader of the stream is whole again.
+cached hashes, the take of every held block): when a step's events were lost (a telemetry record that
+failed), the next step's events start with a :class:`engine.kv_events.KVFrame` of it, so every reader of
+the stream is whole again.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Provenance:
         self.last_owner: list[str | None] = []
         self.freed_step: list[int | None] = []
         self._lost_step: int | None = None  # a step whose events no reader got
-        self._origins_copy: dict[int, BlockTake] | None = {}
 
     def stamp(self, events: Iterable, step: int) -> tuple:
         """The KV events of ``events`` (the pool's, in order) in engine step ``step``: each
@@ -77,15 +76,12 @@ class Provenance:
                             else TAKE_OWN if prev == e.request_id else TAKE_REUSED)
                     e = BlockTake(b, e.request_id, step, kind, prev, freed_step[b])
                     last_owner[b] = e.request_id
-                    self._origins_copy = None
             elif t is BlockReleased:
                 freed_step[e.block_id] = step
                 e = BlockFreed(e.block_id, last_owner[e.block_id], step)
-                self._origins_copy = None
             elif t is KVFrame and e.num_blocks != len(last_owner):  # the pool's first event: its size
                 self.last_owner = last_owner = [None] * e.num_blocks
                 self.freed_step = freed_step = [None] * e.num_blocks
-                self._origins_copy = None
             out.append(e)
         self.state.apply(out)
         return tuple(out)
@@ -93,10 +89,3 @@ class Provenance:
     def lost(self, step: int) -> None:
         """The events stamped for ``step`` reached no reader: the next :meth:`stamp` starts with a frame."""
         self._lost_step = step
-
-    def origins(self) -> dict[int, BlockTake]:
-        """Held block -> the :class:`BlockTake` by which its (first) holder got it: a copy that is never
-        changed later, the same object until a block is taken or freed (an unchanged step costs nothing)."""
-        if self._origins_copy is None:
-            self._origins_copy = dict(self.state.origins)
-        return self._origins_copy

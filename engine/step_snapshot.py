@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from engine.kv_events import BlockArrays, BlockTake, block_arrays, owner_array
+from engine.kv_events import BlockArrays, BlockTake, owner_array
 
 PHASE_IDLE = "idle"
 PHASE_PREFILL = "prefill"
@@ -131,8 +131,8 @@ class StepSnapshot:
         request_fill: request id -> ``(num_computed_tokens, num_hit_blocks)`` of each running request.
         used_blocks: blocks held (None: counted from ``block_refcount``).
         pool_blocks: blocks in the pool (None: ``len(block_refcount)``).
-        kv_history: the telemetry's :class:`engine.kv_events.KVHistory`, which rebuilds the per-block fields
-            given as None (``block_refcount`` to ``block_origins``; pools above ``Telemetry.eager_block_limit``).
+        kv_history: the telemetry's :class:`engine.kv_history.KVHistory`, which rebuilds the per-block fields
+            given as None (``block_refcount`` to ``block_origins``: the engine's snapshots give none).
     """
 
     step: int
@@ -324,36 +324,22 @@ def step_fields(view: StepView, now: float, events: tuple) -> dict:
                 block_takes=tuple(e for e in events if type(e) is BlockTake))
 
 
-def state_fields(view: StepView, block_tables: dict[str, tuple[int, ...]], per_block: Mapping[str, Any],
-                 events: tuple, kv_history) -> dict:
+def state_fields(view: StepView, block_tables: dict[str, tuple[int, ...]], events: tuple, kv_history) -> dict:
     """The snapshot fields of the state after a step (a new snapshot, or the newest one amended).
 
     Args:
         view: the step.
         block_tables: request id -> block table of each running request (:class:`BlockTables`).
-        per_block: the per-block fields (:func:`per_block_fields`), each None for a pool whose per-block state
-            the telemetry rebuilds from the events on demand.
         events: the snapshot's KV events, in order (an amended step's: its earlier ones, then the new ones).
         kv_history: the telemetry's :class:`engine.kv_history.KVHistory`.
     """
-    return dict(block_tables=block_tables, **per_block, num_running=len(view.running), num_waiting=len(view.waiting),
+    return dict(block_tables=block_tables, block_refcount=None, block_tokens=None, block_reuses=None,
+                cached_blocks=None, cache_hit_blocks=None, block_origins=None,  # rebuilt from the events on demand
+                num_running=len(view.running), num_waiting=len(view.waiting),
                 waiting=view.waiting, num_preemptions=view.num_preemptions,
                 prefix_cache_queries=view.prefix_cache_queries, prefix_cache_hits=view.prefix_cache_hits,
                 kv_events=events, request_fill={r.request_id: (r.num_computed_tokens, r.num_hit_blocks) for r in view.running},
                 used_blocks=view.num_used_blocks, pool_blocks=view.num_blocks, kv_history=kv_history)
-
-
-PER_BLOCK_FIELDS = ("block_refcount", "block_tokens", "block_reuses", "cached_blocks", "cache_hit_blocks", "block_origins")
-NO_PER_BLOCK: Mapping[str, None] = dict.fromkeys(PER_BLOCK_FIELDS)
-
-
-def per_block_fields(provenance, block_tables: Mapping[str, Sequence[int]],
-                     request_fill: Mapping[str, tuple[int, int]]) -> dict:
-    """The per-block fields of a step (O(num_blocks)) from ``provenance`` (the telemetry's
-    :class:`engine.kv_provenance.Provenance` after the step's events) and the step's block tables and fill."""
-    fields = dict(block_arrays(provenance.state, block_tables, request_fill).as_fields)
-    fields["block_origins"] = provenance.origins()  # the same object while no block changed hands
-    return fields
 
 
 class BlockTables:

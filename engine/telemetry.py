@@ -7,9 +7,8 @@ end of the step; :mod:`engine.step_snapshot` builds the :class:`StepSnapshot` fr
 
 KV blocks: every step carries its KV events (``StepSnapshot.kv_events``, :mod:`engine.kv_events`: blocks
 taken, freed, stored, evicted), its block tables and each request's computed tokens, all O(what changed or
-runs). The per-block fields (``block_refcount`` ... ``block_origins``, O(num_blocks) each) are stored in
-the snapshot only for pools up to :attr:`Telemetry.eager_block_limit` blocks (talks: the snapshot is
-self-contained, as before); for larger pools they are rebuilt on first read from the telemetry's
+runs), whatever the pool's size. The per-block fields (``block_refcount`` ... ``block_origins``,
+O(num_blocks) each) are not stored: they are rebuilt on first read from the telemetry's
 :class:`engine.kv_history.KVHistory` (replay of the events), while the step is in the ring. The events
 themselves are the block pool's, with whose each block was added here (:mod:`engine.kv_provenance`).
 
@@ -32,7 +31,6 @@ from engine.kv_events import KVFeed
 from engine.kv_history import KVHistory
 from engine.kv_provenance import Provenance
 from engine.step_snapshot import (  # the snapshot types are re-exported: readers import them from here
-    NO_PER_BLOCK,
     PHASE_DECODE,
     PHASE_IDLE,
     PHASE_PREFILL,
@@ -40,17 +38,15 @@ from engine.step_snapshot import (  # the snapshot types are re-exported: reader
     BlockTables,
     StepSnapshot,
     StepView,
-    per_block_fields,
     state_fields,
     step_fields,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EAGER_BLOCK_LIMIT", "PHASE_DECODE", "PHASE_IDLE", "PHASE_PREFILL", "BatchSlotSnapshot", "FinishedRequestStats",
+__all__ = ["PHASE_DECODE", "PHASE_IDLE", "PHASE_PREFILL", "BatchSlotSnapshot", "FinishedRequestStats",
            "StepSnapshot", "StepView", "Telemetry", "finished_stats", "percentile"]
 
-EAGER_BLOCK_LIMIT = 512  # pools up to this many blocks (talks) keep per-block tuples in every snapshot (docs/performance.md)
 
 
 @dataclass
@@ -99,13 +95,10 @@ class Telemetry:
     Args:
         capacity: number of most recent steps kept.
         max_finished: number of most recent finished-request records kept.
-        eager_block_limit: pools up to this many blocks keep their per-block tuples in every snapshot;
-            larger ones keep only the KV events, and :attr:`kv_history` rebuilds a kept step's blocks.
     """
 
     capacity: int = 512
     max_finished: int = 2048
-    eager_block_limit: int = EAGER_BLOCK_LIMIT
     _steps: collections.deque = field(init=False)
     _finished: collections.deque = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -148,31 +141,23 @@ class Telemetry:
         events = self._provenance.stamp(view.kv_events, view.step)
         try:
             tables = self._tables(view.running, events)
-            per_block = NO_PER_BLOCK
-            if self.keeps_block_tuples(view.num_blocks):
-                fill = {r.request_id: (r.num_computed_tokens, r.num_hit_blocks) for r in view.running}
-                per_block = per_block_fields(self._provenance, tables, fill)
             last = self.latest()
             if view.scheduled is not None:
                 events, self._pending = self._pending + events, ()
                 self.record(StepSnapshot(**step_fields(view, now, events),
-                                         **state_fields(view, tables, per_block, events, self.kv_history)))
+                                         **state_fields(view, tables, events, self.kv_history)))
             elif last is None:  # before the first step: only the queue; the events wait for the first snapshot
                 self._pending += events
                 self.set_queue(view.waiting)
             else:
                 self.amend_latest(dataclasses.replace(
-                    last, **state_fields(view, tables, per_block, last.kv_events + events, self.kv_history)))
+                    last, **state_fields(view, tables, last.kv_events + events, self.kv_history)))
         except Exception:
             self._provenance.lost(view.step)
             self._tables.clear()
             raise
         for r in view.finished:
             self.record_finished(finished_stats(r, now, view.held_time))
-
-    def keeps_block_tuples(self, num_blocks: int) -> bool:
-        """Whether snapshots of a pool of ``num_blocks`` blocks carry their per-block tuples."""
-        return num_blocks <= self.eager_block_limit
 
     def kv_feed(self, since: tuple[int, int] | None = None) -> KVFeed:
         """The KV events for a reader that follows the cache from elsewhere (another process, the remote

@@ -28,35 +28,32 @@ def test_the_pool_says_what_it_did_and_the_provenance_whose_each_block_was():
     pool.free([1, 0])
     freed = prov.stamp(pool.pop_events(), 5)
     assert [(type(e), e.block_id, e.request_id, e.step) for e in freed] == [(BlockFreed, 1, "a", 5), (BlockFreed, 0, "a", 5)]
-    assert prov.freed_step[:2] == [5, 5] and prov.origins() == {}
+    assert prov.freed_step[:2] == [5, 5] and prov.state.origins == {}
     pool.allocate(1, "d")  # MRU: block 0, freed last, by a at step 5
     pool.allocate(1, "a")  # block 1 again for a: its own
     got = takes(pool, prov, 6)
     assert [(t.block_id, t.kind, t.previous_owner, t.freed_step) for t in got] == [
         (0, TAKE_REUSED, "a", 5), (1, TAKE_OWN, "a", 5)]
-    assert prov.origins()[0].request_id == "d" and prov.origins()[0].previous_owner == "a"
+    assert prov.state.origins[0].request_id == "d" and prov.state.origins[0].previous_owner == "a"
     assert list(prov.state.reuses) == [1, 0, 0]  # block 1 went back to its own holder: no reuse
 
 
-def test_prefix_hits_record_cached_and_shared_takes_and_the_origins_copy_is_stable():
+def test_prefix_hits_record_cached_and_shared_takes():
     pool, prov = BlockPool(4), Provenance()
     pool.allocate(1, "a")
     takes(pool, prov, 1)
-    before = prov.origins()
-    assert prov.origins() is before  # nothing changed: no copy
     pool.touch([0], "b")  # b hits a's block while a holds it
     (shared,) = takes(pool, prov, 2)
     assert (shared.kind, shared.previous_owner, shared.freed_step) == (TAKE_SHARED, "a", None)
-    assert prov.origins()[0].request_id == "a"  # a shared block keeps its first holder's origin
+    assert prov.state.origins[0].request_id == "a"  # a shared block keeps its first holder's origin
     pool.free([0, 0])
     prov.stamp(pool.pop_events(), 3)
     pool.touch([0], "c")  # a cached-free block brought back by a prefix hit
     (cached,) = takes(pool, prov, 4)
     assert (cached.kind, cached.previous_owner, cached.freed_step) == (TAKE_CACHED, "a", 3)  # its first holder
-    assert prov.origins()[0].request_id == "c"
-    assert before[0].request_id == "a"  # an earlier copy is never changed
+    assert prov.state.origins[0].request_id == "c"
     pool.touch([0], None)  # a fork's siblings take no block of their own
-    assert takes(pool, prov, 5) == [] and prov.origins()[0].request_id == "c"
+    assert takes(pool, prov, 5) == [] and prov.state.origins[0].request_id == "c"
 
 
 def test_lru_takes_the_least_recently_freed_and_mru_the_most_recently_freed():
