@@ -31,50 +31,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from server.options import (
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MAX_HEADER_FIELDS,
-    DEFAULT_MAX_URL_BYTES,
-    DEFAULT_TIMEOUT_KEEP_ALIVE,
-    DEFAULT_TIMEOUT_REQUEST_BODY,
-    DEFAULT_TIMEOUT_REQUEST_HEAD,
-)
+from server.options import HTTPLimits  # re-exported: the limits live with the options that set them
 
 __all__ = ["HTTPLimits", "EdgeProtocol", "protocol_class"]
-
-
-@dataclass(frozen=True)
-class HTTPLimits:
-    """Limits on what a client sends (defaults: the options' in ``server/options.py``, where they are explained).
-
-    Attributes:
-        max_header_bytes: most bytes of a request head (request line and header fields) -> 431.
-        max_header_fields: most header fields of a request -> 431.
-        max_url_bytes: most bytes of a request target (path and query) -> 414.
-        timeout_request_head: seconds a request head may take to arrive -> 408.
-        timeout_request_body: seconds a request body may take to arrive once its head has -> 408.
-        timeout_keep_alive: seconds an idle kept-alive connection stays open (uvicorn's).
-    """
-
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    max_header_fields: int = DEFAULT_MAX_HEADER_FIELDS
-    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
-    timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD
-    timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY
-    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
-
-    def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_header_fields", "max_url_bytes", "timeout_keep_alive"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout_request_head", "timeout_request_body"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 _REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}

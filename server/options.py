@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine import Option, add_options
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: see the option's help
-# The edge's defaults (server.http_edge.HTTPLimits has the same): far above what browsers and SDKs send
+# The edge's defaults (HTTPLimits below): far above what browsers and SDKs send
 # (a browser's request head is 0.5-2 KiB in 10-20 fields, 8-16 KiB with many cookies; nginx refuses heads
 # over 32 KiB and URLs over 8 KiB, Node.js heads over 16 KiB, Apache more than 100 fields), and small
 # enough that a client gets nothing from pushing them: a head is refused before 64 KiB + one read is buffered.
@@ -119,6 +119,37 @@ def parse_list(text: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+@dataclass(frozen=True)
+class HTTPLimits:
+    """Limits on what a client sends (defaults: the options above, where they are explained; enforced by
+    :mod:`server.http_edge`).
+
+    Attributes:
+        max_header_bytes: most bytes of a request head (request line and header fields) -> 431.
+        max_header_fields: most header fields of a request -> 431.
+        max_url_bytes: most bytes of a request target (path and query) -> 414.
+        timeout_request_head: seconds a request head may take to arrive -> 408.
+        timeout_request_body: seconds a request body may take to arrive once its head has -> 408.
+        timeout_keep_alive: seconds an idle kept-alive connection stays open (uvicorn's).
+    """
+
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_header_fields: int = DEFAULT_MAX_HEADER_FIELDS
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD
+    timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY
+    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_header_fields", "max_url_bytes", "timeout_keep_alive"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout_request_head", "timeout_request_body"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+
 def cors_settings(args: argparse.Namespace) -> CORSSettings:
     """The CORS policy of the parsed options (see :class:`CORSSettings`).
 
@@ -132,10 +163,8 @@ def cors_settings(args: argparse.Namespace) -> CORSSettings:
     return cors
 
 
-def http_limits(args: argparse.Namespace):
-    """The :class:`server.http_edge.HTTPLimits` of the parsed options."""
-    from server.http_edge import HTTPLimits
-
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """The :class:`HTTPLimits` of the parsed options."""
     return HTTPLimits(max_header_bytes=args.max_header_bytes, max_header_fields=args.max_header_fields,
                       max_url_bytes=args.max_url_bytes, timeout_request_head=args.timeout_request_head,
                       timeout_request_body=args.timeout_request_body, timeout_keep_alive=args.timeout_keep_alive)

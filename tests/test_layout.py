@@ -3,7 +3,8 @@
 Imports run one way: ``app.py`` -> ``ui`` / ``server`` -> ``engine`` -> ``kernels``. ``bench`` (the
 benchmark harness) may import anything, and nothing but the tests imports ``bench``. ``ui`` and
 ``server`` are siblings and never import each other, and they use only the engine's public API (the names
-``engine/__init__.py`` exports), never its modules. Every Python file stays under 500 lines.
+``engine/__init__.py`` exports), never its modules; ``bench`` imports no test module. Every Python file
+stays under 500 lines, and every function of the project's packages under 80 (Triton kernels excepted).
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {"__pycache__", "node_modules"}  # plus every hidden folder (.venv, .git, ...)
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
+SOURCE = ("engine", "kernels", "server", "ui", "bench", "app.py")  # the project's own code (not the tests)
+# being cut into named parts in the ui pass (and bench/page_latency.py by the helper editing it): remove each
+# name from this list once it is cut
+LONG_FUNCTIONS_BEING_CUT = {
+    "bench/page_latency.py:main",
+    "ui/layout.py:build_app",
+    "ui/figures.py:block_map_spec",
+    "ui/remote/page.py:build_remote_app",
+}
 
 
 def python_files(under: str | None = None) -> list[Path]:
@@ -87,6 +98,11 @@ def test_nothing_outside_bench_and_tests_imports_bench():
     assert not bad, "only bench/ itself and the tests may import bench: " + "; ".join(bad)
 
 
+def test_bench_imports_no_test_module():
+    bad = offenders(python_files("bench"), {"tests"})
+    assert not bad, "bench/ must not import tests/ (a helper both need is kept in each): " + "; ".join(bad)
+
+
 def test_ui_and_server_do_not_import_each_other():
     bad = offenders(python_files("ui"), {"server"})
     if (ROOT / "server").is_dir():
@@ -129,3 +145,36 @@ def test_every_python_file_is_under_500_lines():
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, (f"LAYOUT RULE: every Python file must be at most {MAX_LINES} lines; split these by job: "
                       + ", ".join(f"{k} ({v} lines)" for k, v in sorted(long.items())))
+
+
+def long_functions(paths: list[Path], root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """``"path:name" -> lines`` (path relative to ``root``) of every function, methods and nested functions
+    included, longer than ``limit`` lines in ``paths``, except Triton kernels (``@triton.jit``: a kernel's
+    body is one launch)."""
+    out = {}
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"), filename=str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit and not any("jit" in ast.unparse(d) for d in node.decorator_list):
+                    out[f"{p.relative_to(root).as_posix()}:{node.name}"] = n
+    return out
+
+
+def test_long_functions_finds_long_functions_and_methods_but_not_triton_kernels(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(85))
+    (tmp_path / "m.py").write_text(f"class C:\n    def long(self):\n{body}\n"
+                                   f"@triton.jit\ndef kernel():\n{body}\ndef short():\n    pass\n")
+    assert long_functions([tmp_path / "m.py"], tmp_path) == {"m.py:long": 86}
+
+
+def test_no_function_is_over_80_lines():
+    """Layout rule: no function of the project's code over 80 lines (cut long ones into named parts);
+    :data:`LONG_FUNCTIONS_BEING_CUT` lists those still being cut, each of which must still be long."""
+    files = [p for p in python_files() if p.relative_to(ROOT).parts[0] in SOURCE]
+    long = long_functions(files)
+    over = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS_BEING_CUT}
+    assert not over, (f"LAYOUT RULE: every function must be at most {MAX_FUNCTION_LINES} lines; cut these into "
+                      "named parts: " + ", ".join(f"{k} ({v} lines)" for k, v in sorted(over.items())))
+    done = sorted(LONG_FUNCTIONS_BEING_CUT - set(long))
+    assert not done, f"these are cut now (or gone): remove them from LONG_FUNCTIONS_BEING_CUT: {done}"
