@@ -36,16 +36,32 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.errors import PROMPT, ContextLengthError, RequestError
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCostModel, attention_pairs
-from engine.step_snapshot import SlotState
 from engine.stopping import Stop, check_token
 
 log = logging.getLogger(__name__)
+
+
+class SlotState(NamedTuple):
+    """Who holds one batch slot when a step is scheduled (:attr:`SchedulerOutput.batch_slots`; plain data).
+
+    Attributes:
+        request_id: the request holding the slot.
+        num_computed_tokens: its tokens in the KV cache before the step (tokens).
+        num_prompt_tokens: its prompt length (tokens).
+        num_cached_tokens: tokens it found in the prefix cache at its latest admission (tokens).
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -61,7 +77,7 @@ class SchedulerOutput:
         attention_pairs: (query, key) pairs the step's causal attention computes (the step cost model's
             second term, :func:`engine.step_cost.attention_pairs`).
         batch_slots: per batch slot, who holds it once the step is scheduled (a
-            :class:`engine.step_snapshot.SlotState`, with its tokens computed before the step) or None.
+            :class:`SlotState`, with its tokens computed before the step) or None.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)

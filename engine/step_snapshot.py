@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -228,23 +228,6 @@ class StepSnapshot:
         return owners
 
 
-class SlotState(NamedTuple):
-    """Who holds one batch slot when a step is scheduled (the scheduler's
-    :attr:`engine.scheduler.SchedulerOutput.batch_slots`; plain data).
-
-    Attributes:
-        request_id: the request holding the slot.
-        num_computed_tokens: its tokens in the KV cache before the step (tokens).
-        num_prompt_tokens: its prompt length (tokens).
-        num_cached_tokens: tokens it found in the prefix cache at its latest admission (tokens).
-    """
-
-    request_id: str
-    num_computed_tokens: int
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
 @dataclass(frozen=True)
 class StepView:
     """One engine step as the core hands it to :meth:`engine.telemetry.Telemetry.observe`: what the core has at
@@ -289,7 +272,8 @@ class StepView:
 
 def batch_slots_of(scheduled) -> tuple[BatchSlotSnapshot, ...]:
     """One :class:`BatchSlotSnapshot` per batch slot of a scheduled step (``scheduled``: its
-    :class:`engine.scheduler.SchedulerOutput`, whose ``batch_slots`` say who held each slot)."""
+    :class:`engine.scheduler.SchedulerOutput`, whose ``batch_slots`` say who held each slot: an
+    :class:`engine.scheduler.SlotState` or None)."""
     n_sched = {r.request_id: n for r, n in scheduled.scheduled}
     rows = []
     for i, s in enumerate(scheduled.batch_slots):
