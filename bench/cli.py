@@ -197,39 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.threads:
         torch.set_num_threads(args.threads)
-    q = args.quick
-    n = args.num_requests or (16 if q else 64)
-    high = args.max_tokens_high or (48 if q else 256)
-    args.rate = args.rate or (8.0 if q else 4.0)
-    args.conversations = args.conversations or (4 if q else 16)
-    args.turns = args.turns or (3 if q else 4)
-    args.turn_tokens = args.turn_tokens or (16 if q else 64)
+    n, high = _fill_defaults(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in SYSTEMS:
             print(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
             return 2
-    load_start = os.getloadavg()
-    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
-          f"({os.cpu_count()} CPUs)", flush=True)
-    if load_start[0] > (os.cpu_count() or 1) and torch.get_num_threads() > 1:
-        print(f"warning: load average {load_start[0]:.1f} > {os.cpu_count()} CPUs: {torch.get_num_threads()}-thread "
-              "OpenMP matmuls slow down several times when other processes hold the cores; compare systems "
-              "only within this run, or use --threads 1 (or OMP_WAIT_POLICY=PASSIVE)", flush=True)
+    load_start = _print_load_start()
     if args.mode == "replay":
-        from engine.model_loader import load_tokenizer
-
-        requests = (load_workload(args.workload) if args.workload
-                    else offline_workload(load_tokenizer(args.model), n, args.max_tokens_low, high, args.seed))
-        kw = engine_args_from(args)
-        print(f"{'policy':<11} {'block':>5} {'steps':>6} {'idle slot-steps':>15} {'KV real %':>9} "
-              f"{'KV peak tok':>11}")
-        for policy in ("continuous", "static"):
-            for bs in (8, 16, 32):
-                kw.update(block_size=bs, num_blocks=args.num_blocks or 11648 // bs)
-                r = replay_schedule(requests, policy, **kw)
-                print(f"{policy:<11} {bs:>5} {r['steps']:>6} {r['idle_slot_steps']:>15} "
-                      f"{r['kv_real_pct_mean']:>9.1f} {r['kv_reserved_peak']:>11}")
+        _run_replay(args, n, high)
         return 0
     need_cb = "hf-cb" in systems and args.mode in ("offline", "online", "all") and not args.profile
     t = time.perf_counter()
@@ -239,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
           f"threads={env['threads']} torch={env['torch']} transformers={env['transformers']} cpu={env['processor']!r} "
           f"native bf16={env['cpu_native_bf16']}", flush=True)
     report: dict = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "load_start": load_start}
-
     if args.profile:
         kw = engine_args_from(args)
         kw["max_num_seqs"] = max(64, args.max_num_seqs)
@@ -248,38 +223,92 @@ def main(argv: list[str] | None = None) -> int:
         print_profile(p)
         report["profile"] = p
     elif args.mode == "multiturn":
-        res = run_multiturn(model, tok, args)
-        report["multiturn"] = res
-        print(f"\n== multiturn: {args.conversations} conversations x {args.turns} turns, {args.turn_tokens} "
-              f"tokens per answer, dtype {env['dtype']} ==")
-        print(format_multiturn(res))
+        _run_multiturn_mode(model, tok, args, env, report)
     else:
-        if args.workload:
-            requests = load_workload(args.workload, n if (args.num_requests or q) else None,
-                                     high if (args.max_tokens_high or q) else None)
-            label = os.path.basename(args.workload)
-        else:
-            requests = offline_workload(tok, n, args.max_tokens_low, high, args.seed)
-            label = f"builtin-{n}"
-        print(f"workload {label}: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt "
-              f"tokens, {sum(r.max_tokens for r in requests)} tokens to generate", flush=True)
-        if args.mode in ("offline", "all"):
-            res = run_systems(systems, model, tok, cb_model, requests, args, f"{label} offline")
-            report["offline"] = res
-            print(f"\n== offline: {label}, dtype {env['dtype']}, {env['threads']} threads ==")
-            print(format_table(res))
-        if args.mode in ("online", "all"):
-            online = poisson_arrivals(requests, args.rate, args.seed)
-            res = run_systems(systems, model, tok, cb_model, online, args, f"{label} online {args.rate:g}/s")
-            report["online"] = res
-            print(f"\n== online: {label}, Poisson {args.rate:g} requests/s, dtype {env['dtype']} ==")
-            print(format_table(res))
-        if args.mode in ("multiturn", "all"):
-            res = run_multiturn(model, tok, args)
-            report["multiturn"] = res
-            print(f"\n== multiturn: {args.conversations} conversations x {args.turns} turns, {args.turn_tokens} "
-                  f"tokens per answer, dtype {env['dtype']} ==")
-            print(format_multiturn(res))
+        _run_workload_modes(systems, model, tok, cb_model, args, env, report, n, high)
+    _finish(args, report, env)
+    return 0
+
+
+def _fill_defaults(args) -> tuple[int, int]:
+    """The defaults that depend on ``--quick`` (set on ``args``); returns ``(requests, longest output)``."""
+    q = args.quick
+    args.rate = args.rate or (8.0 if q else 4.0)
+    args.conversations = args.conversations or (4 if q else 16)
+    args.turns = args.turns or (3 if q else 4)
+    args.turn_tokens = args.turn_tokens or (16 if q else 64)
+    return args.num_requests or (16 if q else 64), args.max_tokens_high or (48 if q else 256)
+
+
+def _print_load_start() -> tuple[float, float, float]:
+    """Print the load average now (and a warning when other processes hold the cores); return it."""
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
+          f"({os.cpu_count()} CPUs)", flush=True)
+    if load_start[0] > (os.cpu_count() or 1) and torch.get_num_threads() > 1:
+        print(f"warning: load average {load_start[0]:.1f} > {os.cpu_count()} CPUs: {torch.get_num_threads()}-thread "
+              "OpenMP matmuls slow down several times when other processes hold the cores; compare systems "
+              "only within this run, or use --threads 1 (or OMP_WAIT_POLICY=PASSIVE)", flush=True)
+    return load_start
+
+
+def _run_replay(args, n: int, high: int) -> None:
+    """``--mode replay``: the workload through our scheduler and KV manager alone, at block sizes 8/16/32."""
+    from engine.model_loader import load_tokenizer
+
+    requests = (load_workload(args.workload) if args.workload
+                else offline_workload(load_tokenizer(args.model), n, args.max_tokens_low, high, args.seed))
+    kw = engine_args_from(args)
+    print(f"{'policy':<11} {'block':>5} {'steps':>6} {'idle slot-steps':>15} {'KV real %':>9} "
+          f"{'KV peak tok':>11}")
+    for policy in ("continuous", "static"):
+        for bs in (8, 16, 32):
+            kw.update(block_size=bs, num_blocks=args.num_blocks or 11648 // bs)
+            r = replay_schedule(requests, policy, **kw)
+            print(f"{policy:<11} {bs:>5} {r['steps']:>6} {r['idle_slot_steps']:>15} "
+                  f"{r['kv_real_pct_mean']:>9.1f} {r['kv_reserved_peak']:>11}")
+
+
+def _run_multiturn_mode(model, tok, args, env: dict, report: dict) -> None:
+    """The multi-turn workload (:func:`run_multiturn`): into ``report["multiturn"]``, and printed."""
+    res = run_multiturn(model, tok, args)
+    report["multiturn"] = res
+    print(f"\n== multiturn: {args.conversations} conversations x {args.turns} turns, {args.turn_tokens} "
+          f"tokens per answer, dtype {env['dtype']} ==")
+    print(format_multiturn(res))
+
+
+def _run_workload_modes(systems: list[str], model, tok, cb_model, args, env: dict, report: dict, n: int,
+                        high: int) -> None:
+    """``--mode offline / online / all``: the workload through ``systems`` (and, for ``all``, the multi-turn
+    one), each into ``report`` and printed as a table."""
+    q = args.quick
+    if args.workload:
+        requests = load_workload(args.workload, n if (args.num_requests or q) else None,
+                                 high if (args.max_tokens_high or q) else None)
+        label = os.path.basename(args.workload)
+    else:
+        requests = offline_workload(tok, n, args.max_tokens_low, high, args.seed)
+        label = f"builtin-{n}"
+    print(f"workload {label}: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt "
+          f"tokens, {sum(r.max_tokens for r in requests)} tokens to generate", flush=True)
+    if args.mode in ("offline", "all"):
+        res = run_systems(systems, model, tok, cb_model, requests, args, f"{label} offline")
+        report["offline"] = res
+        print(f"\n== offline: {label}, dtype {env['dtype']}, {env['threads']} threads ==")
+        print(format_table(res))
+    if args.mode in ("online", "all"):
+        online = poisson_arrivals(requests, args.rate, args.seed)
+        res = run_systems(systems, model, tok, cb_model, online, args, f"{label} online {args.rate:g}/s")
+        report["online"] = res
+        print(f"\n== online: {label}, Poisson {args.rate:g} requests/s, dtype {env['dtype']} ==")
+        print(format_table(res))
+    if args.mode == "all":
+        _run_multiturn_mode(model, tok, args, env, report)
+
+
+def _finish(args, report: dict, env: dict) -> None:
+    """Print the load average at the end; write ``--json`` and ``--html``."""
     load_end = os.getloadavg()
     report["load_end"] = load_end
     print(f"\nload average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; dtype {env['dtype']}, "
@@ -293,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
 
         write_report(report, args.html)
         print(f"wrote {args.html}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.peers_run import _kill_group, child_env, peers_python, peers_versions, wait_ready
+from bench.browser import CHROMIUM, CHROMIUM_FLAGS
+from bench.peers_run import _kill_group, child_env, free_port, peers_python, peers_versions, wait_ready
 from engine.kv_wire import decode_batch
-from tests._browser import CHROMIUM, CHROMIUM_FLAGS, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = "smollm2"

@@ -2,9 +2,8 @@
 
 The profiler is introspective by nature: it wraps the engine's parts (the scheduler's ``schedule`` and
 update, the runner's batch packing, the sampler, the output and telemetry steps, the attention kernels)
-with timers for a few steps, then puts them back. A part is looked up by its current name with a
-fallback to its former one (``update_from_output`` / ``update``), and a part the engine no longer has is
-left out (its time then counts as "other (step glue)"), so the profile runs across engine refactors.
+with timers for a few steps, then puts them back. A part the engine no longer has is left out (its time
+then counts as "other (step glue)"), so the profile runs across engine refactors.
 Times in milliseconds per step.
 """
 
@@ -30,11 +29,10 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
     contexts reach about ``context`` tokens; then ``steps`` decode steps are timed with each part of
     the step wrapped: scheduling, packing the batch (``ModelRunner.prepare``), the model forward (split
     into attention and the rest), sampling, the scheduler's update (``Scheduler.update_from_output``),
-    detokenizing (``OutputProcessor.on_token``, which the update calls: its time is taken out of the
-    update's), outputs and telemetry. Where the own forward runs its layers in one C++ call, that call's
-    own timers split its linears and its attention (cache writes included). With
-    ``torch_profile`` one more step runs under ``torch.profiler`` and its top operators are returned as a
-    printed table.
+    the text step (``OutputProcessor.process_tokens``: detokenizing, stop strings), outputs and telemetry
+    (``Telemetry.observe``). Where the own forward runs its layers in one C++ call, that call's own timers
+    split its linears and its attention (cache writes included). With ``torch_profile`` one more step runs
+    under ``torch.profiler`` and its top operators are returned as a printed table.
 
     Returns:
         ``{"parts_ms": {part: mean ms per step}, "step_ms": mean, "num_running": n, "context": tokens,
@@ -46,53 +44,11 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         ValueError: the KV pool cannot hold every request at ``context + steps`` tokens at once (they would
             preempt each other and the warm-up would never end).
     """
-    import kernels
-
     engine_args.setdefault("max_num_seqs", max(64, num_requests))
     core = EngineCore(EngineConfig.from_kwargs(**engine_args), model=model, tokenizer=tokenizer)
-    prompts = [render_chat(tokenizer, m) for m in chat_prompts(num_requests)]
-    max_tokens = context + steps + 8
-    need = sum(core.kv.blocks_needed(len(ids) + max_tokens) for ids in prompts)
-    have = core.kv.pool.num_blocks
-    if need > have:  # the requests would preempt each other and never all reach `context` together
-        raise ValueError(f"{num_requests} requests at context {context} need {need} KV blocks of "
-                         f"{core.kv.block_size} tokens; the pool has {have} (raise --kv-cache-memory or "
-                         f"--num-blocks, or lower --profile-context)")
-    for i, ids in enumerate(prompts):
-        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    while True:
-        core.step()
-        running = core.scheduler.running
-        if len(running) == num_requests and min(r.num_tokens for r in running) >= context:
-            break
+    _fill_to_context(core, tokenizer, num_requests, context, steps)
     acc: dict[str, float] = {}
-
-    def wrap(obj, name, part):
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[part] = acc.get(part, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, timed)
-        return fn
-
-    targets = [
-        (core.scheduler, "schedule", "schedule"),
-        (core.runner, "prepare", "prepare (pack batch)"),
-        (core.sampler, "sample", "sample"),
-        (core.scheduler, "update_from_output", "update_from_output"),
-        (core.output_processor, "on_token", "detokenize (output processor)"),
-        (core, "_outputs", "outputs"),
-        (core, "_record", "telemetry"),
-        (kernels, "paged_attention", "attention (paged_attention)"),
-        (kernels, "reshape_and_cache", "attention (cache write)"),
-        (Linear, "__call__", "linear layers (own forward)"),
-    ]
-    originals = [(obj, name, wrap(obj, name, part)) for obj, name, part in targets]
+    originals = _wrap_parts(core, acc)
     # the own forward's layers in one C++ call (engine/models/llama.py) call no Python per kernel: the call
     # times its linears and attention itself
     own = core.runner.own_forward
@@ -113,22 +69,8 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         own.timings = None
         acc["linear layers (own forward)"] = acc.get("linear layers (own forward)", 0.0) + lin_s  # + the LM head's calls
         acc["attention (paged_attention)"] = acc.get("attention (paged_attention)", 0.0) + attn_s  # cache writes included
-    for obj, name, fn in originals:
-        if obj is kernels or isinstance(obj, type):
-            setattr(obj, name, fn)  # a module function or a class's method: put the original back
-        elif name in vars(obj):
-            delattr(obj, name)  # an instance attribute shadowing the method: remove it
-    fwd = f1 - f0
-    attn = acc.get("attention (paged_attention)", 0.0) + acc.get("attention (cache write)", 0.0)
-    detok = "detokenize (output processor)"
-    if detok in acc and "update_from_output" in acc:  # called from inside the scheduler's update: not twice
-        acc["update_from_output"] -= acc[detok]
-    parts = {k: 1000 * v / steps for k, v in acc.items()}
-    lin = acc.get("linear layers (own forward)", 0.0)
-    parts["forward: norms, RoPE, SiLU, embedding" if lin else "forward: linear layers, norms, RoPE, lm_head"] = \
-        1000 * (fwd - attn - lin) / steps
-    outside = sum(v for k, v in acc.items() if not k.startswith(("attention", "linear")))
-    parts["other (step glue)"] = 1000 * (total - fwd - outside) / steps
+    _unwrap_parts(originals)
+    parts = _parts_ms(acc, f1 - f0, total, steps)
     table = None
     if torch_profile:
         from torch.profiler import ProfilerActivity, profile
@@ -138,13 +80,94 @@ def profile_decode_step(model, tokenizer, num_requests: int = 64, context: int =
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
     ctx = sum(r.num_tokens for r in core.scheduler.running) / max(1, len(core.scheduler.running))
     out = {"parts_ms": parts, "step_ms": 1000 * total / steps, "num_running": len(core.scheduler.running),
-           "context": ctx, "forward_ms": 1000 * fwd / steps, "torch_table": table,
+           "context": ctx, "forward_ms": 1000 * (f1 - f0) / steps, "torch_table": table,
            "tokens_per_s": len(core.scheduler.running) / (total / steps),
            "forward": "own" if core.runner.own_forward is not None else "transformers",
            "floor": step_floor(model, len(core.scheduler.running), ctx, machine_rates(core.runner.dtype))}
     del core
     gc.collect()
     return out
+
+
+def _fill_to_context(core: EngineCore, tokenizer, num_requests: int, context: int, steps: int) -> None:
+    """Add ``num_requests`` requests and step until all of them run with at least ``context`` tokens.
+
+    Raises:
+        ValueError: the pool cannot hold them all at ``context + steps`` tokens (see :func:`profile_decode_step`).
+    """
+    prompts = [render_chat(tokenizer, m) for m in chat_prompts(num_requests)]
+    max_tokens = context + steps + 8
+    need = sum(core.kv.blocks_needed(len(ids) + max_tokens) for ids in prompts)
+    have = core.kv.pool.num_blocks
+    if need > have:  # the requests would preempt each other and never all reach `context` together
+        raise ValueError(f"{num_requests} requests at context {context} need {need} KV blocks of "
+                         f"{core.kv.block_size} tokens; the pool has {have} (raise --kv-cache-memory or "
+                         f"--num-blocks, or lower --profile-context)")
+    for i, ids in enumerate(prompts):
+        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    while True:
+        core.step()
+        running = core.scheduler.running
+        if len(running) == num_requests and min(r.num_tokens for r in running) >= context:
+            return
+
+
+def _wrap_parts(core: EngineCore, acc: dict[str, float]) -> list[tuple]:
+    """Wrap each part of the step with a timer that adds its seconds to ``acc[part]``; returns what
+    :func:`_unwrap_parts` needs to put the originals back. A part the engine does not have is left out (its
+    time then counts as "other (step glue)"), so that the profile runs across engine refactors."""
+    import kernels
+
+    def wrap(obj, name, part):
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[part] = acc.get(part, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+        return fn
+
+    targets = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.runner, "prepare", "prepare (pack batch)"),
+        (core.sampler, "sample", "sample"),
+        (core.scheduler, "update_from_output", "update_from_output"),
+        (core.output_processor, "process_tokens", "detokenize (output processor)"),
+        (core, "_outputs", "outputs"),
+        (core.telemetry, "observe", "telemetry"),
+        (kernels, "paged_attention", "attention (paged_attention)"),
+        (kernels, "reshape_and_cache", "attention (cache write)"),
+        (Linear, "__call__", "linear layers (own forward)"),
+    ]
+    return [(obj, name, wrap(obj, name, part)) for obj, name, part in targets if hasattr(obj, name)]
+
+
+def _unwrap_parts(originals: list[tuple]) -> None:
+    """Put back what :func:`_wrap_parts` wrapped."""
+    import kernels
+
+    for obj, name, fn in originals:
+        if obj is kernels or isinstance(obj, type):
+            setattr(obj, name, fn)  # a module function or a class's method: put the original back
+        elif name in vars(obj):
+            delattr(obj, name)  # an instance attribute shadowing the method: remove it
+
+
+def _parts_ms(acc: dict[str, float], fwd: float, total: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step of each part in ``acc`` (seconds over ``steps`` steps), with the forward's rest
+    (``fwd`` seconds minus attention and linears) and the step's glue (``total`` minus all of it)."""
+    attn = acc.get("attention (paged_attention)", 0.0) + acc.get("attention (cache write)", 0.0)
+    parts = {k: 1000 * v / steps for k, v in acc.items()}
+    lin = acc.get("linear layers (own forward)", 0.0)
+    parts["forward: norms, RoPE, SiLU, embedding" if lin else "forward: linear layers, norms, RoPE, lm_head"] = \
+        1000 * (fwd - attn - lin) / steps
+    outside = sum(v for k, v in acc.items() if not k.startswith(("attention", "linear")))
+    parts["other (step glue)"] = 1000 * (total - fwd - outside) / steps
+    return parts
 
 
 def machine_rates(dtype, seconds: float = 2.0) -> dict:

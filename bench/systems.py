@@ -62,29 +62,13 @@ def run_ours(
     """
     engine_args.setdefault("telemetry_capacity", 1 << 20)
     cfg = EngineConfig.from_kwargs(policy=policy, **engine_args)
-    core = EngineCore(cfg, model=model, tokenizer=tokenizer)
-    clock = engine_forward_clock(core)
-    bs = cfg.block_size
+    run = _OursRun(EngineCore(cfg, model=model, tokenizer=tokenizer), next_turn)
     pending = sorted(requests, key=lambda r: r.arrival)
-    by_id: dict[str, BenchRequest] = {}
-    live: dict = {}
-    records: list[RequestRecord] = []
-    steps: list[StepRecord] = []
-    snaps: list[StepSnapshot] = []
-    scheduled_tokens = 0
-
-    def make(br: BenchRequest, arrival_mono: float):
-        sp = SamplingParams(temperature=0.0, max_tokens=br.max_tokens, ignore_eos=True)
-        req = core.make_request(br.request_id, br.prompt_token_ids, sp)
-        req.arrival_time = arrival_mono
-        by_id[br.request_id] = br
-        live[br.request_id] = req
-        return req
-
     # offline requests are built before the clock starts, as LLM.generate does
-    pre = [make(br, 0.0) for br in pending if br.arrival <= 0.0]
+    pre = [run.make(br, 0.0) for br in pending if br.arrival <= 0.0]
     pending = [br for br in pending if br.arrival > 0.0]
-    t0 = time.monotonic()
+    core = run.core
+    t0 = run.t0 = time.monotonic()
     for req in pre:
         req.arrival_time = t0
         core.enqueue(req)
@@ -92,55 +76,91 @@ def run_ours(
         now = time.monotonic()
         while pending and t0 + pending[0].arrival <= now:
             br = pending.pop(0)
-            core.enqueue(make(br, t0 + br.arrival))
+            core.enqueue(run.make(br, t0 + br.arrival))
         if not core.has_unfinished_requests():
             time.sleep(max(0.0, t0 + pending[0].arrival - time.monotonic()))
             continue
-        c0, f0 = clock.read()
+        run.step()
+    wall = time.monotonic() - t0
+    result = run.result(f"ours-{policy}", wall)
+    core = run.core = None  # drop the engine (and its KV cache) before collecting
+    gc.collect()
+    return result
+
+
+class _OursRun:
+    """One :func:`run_ours` run: the engine, the requests in flight, and the steps and requests recorded."""
+
+    def __init__(self, core: EngineCore, next_turn) -> None:
+        self.core, self.next_turn = core, next_turn
+        self.clock = engine_forward_clock(core)
+        self.t0 = 0.0  # time.monotonic() when the clock started
+        self.by_id: dict[str, BenchRequest] = {}
+        self.live: dict = {}
+        self.records: list[RequestRecord] = []
+        self.steps: list[StepRecord] = []
+        self.snaps: list[StepSnapshot] = []
+        self.scheduled_tokens = 0
+
+    def make(self, br: BenchRequest, arrival_mono: float):
+        """The engine request of ``br`` (greedy, EOS ignored), arrived at ``arrival_mono``."""
+        sp = SamplingParams(temperature=0.0, max_tokens=br.max_tokens, ignore_eos=True)
+        req = self.core.make_request(br.request_id, br.prompt_token_ids, sp)
+        req.arrival_time = arrival_mono
+        self.by_id[br.request_id] = br
+        self.live[br.request_id] = req
+        return req
+
+    def step(self) -> None:
+        """One engine step, timed (wall and forward), its snapshot kept and its finished requests recorded."""
+        c0, f0 = self.clock.read()
         s0 = time.monotonic()
-        outs = core.step()
+        outs = self.core.step()
         dur = time.monotonic() - s0
-        _, f1 = clock.read()
-        snap = core.telemetry.latest()
-        if snap is not None and (not snaps or snap is not snaps[-1]):
-            snaps.append(snap)
-            scheduled_tokens += snap.num_scheduled_tokens
+        _, f1 = self.clock.read()
+        snap = self.core.telemetry.latest()
+        if snap is not None and (not self.snaps or snap is not self.snaps[-1]):
+            self.snaps.append(snap)
+            self.scheduled_tokens += snap.num_scheduled_tokens
             n_sched = sum(1 for s in snap.batch_slots if s.request_id is not None and s.phase != PHASE_IDLE)
             idle = sum(1 for s in snap.batch_slots if s.request_id is not None and s.phase == PHASE_IDLE)
-            steps.append(StepRecord(dur, f1 - f0, n_sched, snap.num_waiting, snap.num_scheduled_tokens, idle,
-                                    None, None))
+            self.steps.append(StepRecord(dur, f1 - f0, n_sched, snap.num_waiting, snap.num_scheduled_tokens, idle,
+                                         None, None))
         for out in outs:
-            if not out.finished:
-                continue
-            req = live.pop(out.request_id)
-            if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            records.append(RequestRecord(
-                out.request_id, req.num_prompt_tokens, len(req.output_token_ids), req.arrival_time - t0,
-                None if req.first_token_time is None else req.first_token_time - t0, req.finish_time - t0,
-                list(req.output_token_ids), req.num_preemptions))
-            if next_turn is not None:
-                nxt = next_turn(by_id[out.request_id], list(req.output_token_ids))
-                if nxt is not None:
-                    core.enqueue(make(nxt, time.monotonic()))
-    wall = time.monotonic() - t0
-    # KV accounting from the snapshots, after the clock stopped
-    for st, snap in zip(steps, snaps):
-        st.kv_reserved, st.kv_real = kv_from_snapshot(snap, bs)
-    decode_tokens = sum(max(0, r.num_output_tokens - 1) for r in records)
-    stats = core.stats()
-    run = SystemRun(
-        system=f"ours-{policy}", wall=wall, steps=steps, requests=records,
-        preemptions=stats.num_preemptions, max_num_seqs=cfg.max_num_seqs,
-        prefix_hit_tokens=stats.prefix_cache_hits if cfg.enable_prefix_caching else 0,
-        prefill_tokens=scheduled_tokens - decode_tokens,
-        config={"max_num_seqs": cfg.max_num_seqs, "block_size": bs, "num_blocks": cfg.num_blocks,
-                "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                "enable_prefix_caching": cfg.enable_prefix_caching},
-    )
-    core = None  # drop the engine (and its KV cache) before collecting
-    gc.collect()
-    return run
+            if out.finished:
+                self._finished(out)
+
+    def _finished(self, out) -> None:
+        req = self.live.pop(out.request_id)
+        if out.error:
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        t0 = self.t0
+        self.records.append(RequestRecord(
+            out.request_id, req.num_prompt_tokens, len(req.output_token_ids), req.arrival_time - t0,
+            None if req.first_token_time is None else req.first_token_time - t0, req.finish_time - t0,
+            list(req.output_token_ids), req.num_preemptions))
+        if self.next_turn is not None:
+            nxt = self.next_turn(self.by_id[out.request_id], list(req.output_token_ids))
+            if nxt is not None:
+                self.core.enqueue(self.make(nxt, time.monotonic()))
+
+    def result(self, system: str, wall: float) -> SystemRun:
+        """The :class:`SystemRun`, with the KV accounting of every step from its snapshot (after the clock
+        stopped)."""
+        cfg = self.core.config
+        for st, snap in zip(self.steps, self.snaps):
+            st.kv_reserved, st.kv_real = kv_from_snapshot(snap, cfg.block_size)
+        decode_tokens = sum(max(0, r.num_output_tokens - 1) for r in self.records)
+        stats = self.core.stats()
+        return SystemRun(
+            system=system, wall=wall, steps=self.steps, requests=self.records,
+            preemptions=stats.num_preemptions, max_num_seqs=cfg.max_num_seqs,
+            prefix_hit_tokens=stats.prefix_cache_hits if cfg.enable_prefix_caching else 0,
+            prefill_tokens=self.scheduled_tokens - decode_tokens,
+            config={"max_num_seqs": cfg.max_num_seqs, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
+                    "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                    "enable_prefix_caching": cfg.enable_prefix_caching},
+        )
 
 
 # ==================================================================================================
@@ -264,37 +284,14 @@ def run_hf_cb(
     if model.config._attn_implementation not in ("sdpa", "paged|eager"):
         model.set_attn_implementation("sdpa")
     clock = forward_clock(model)
-    pending = sorted(requests, key=lambda r: r.arrival)
-    by_id = {r.request_id: r for r in pending}
-    results: dict = {}
+    by_id = {r.request_id: r for r in requests}
     mgr = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
     try:
         with torch.inference_mode():
             mgr.start()
-            # warm-up: one tiny request, so that the cache allocation and first-call costs fall before t0
-            first = requests[0].prompt_token_ids[:8]
-            mgr.add_request(list(first), request_id="__warmup__", max_new_tokens=2, eos_token_id=-1)
-            while True:
-                res = mgr.get_result(timeout=60)
-                if res is None or res.is_finished():
-                    break
+            _hf_cb_warm_up(mgr, requests[0])
             t0 = time.perf_counter()
-            arrivals: dict[str, float] = {}
-            while len(results) < len(requests):
-                now = time.perf_counter() - t0
-                while pending and pending[0].arrival <= now:
-                    r = pending.pop(0)
-                    arrivals[r.request_id] = t0 + r.arrival
-                    mgr.add_request(list(r.prompt_token_ids), request_id=r.request_id, max_new_tokens=r.max_tokens,
-                                    record_timestamps=True, eos_token_id=-1)
-                wait = 0.05 if not pending else max(0.0, min(0.05, pending[0].arrival - now))
-                res = mgr.get_result(timeout=wait)
-                if res is not None and res.is_finished():
-                    if res.error:
-                        raise RuntimeError(f"hf-cb request {res.request_id} failed: {res.error}")
-                    results[res.request_id] = (res, time.perf_counter())
-                elif res is None and not mgr.is_running() and not pending:
-                    raise RuntimeError("transformers' continuous batching thread stopped early")
+            results, arrivals = _hf_cb_serve(mgr, requests, t0)
             wall = time.perf_counter() - t0
     finally:
         mgr.stop(block=True, timeout=10)
@@ -318,6 +315,45 @@ def run_hf_cb(
                      config={"page_size": page_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
                              "max_requests_per_batch": max_requests_per_batch,
                              "attn_implementation": model.config._attn_implementation})
+
+
+def _hf_cb_warm_up(mgr, first: BenchRequest) -> None:
+    """One tiny request through transformers' continuous batching, so that the cache allocation and the
+    first-call costs fall before the clock starts."""
+    mgr.add_request(list(first.prompt_token_ids[:8]), request_id="__warmup__", max_new_tokens=2, eos_token_id=-1)
+    while True:
+        res = mgr.get_result(timeout=60)
+        if res is None or res.is_finished():
+            return
+
+
+def _hf_cb_serve(mgr, requests: Sequence[BenchRequest], t0: float) -> tuple[dict, dict[str, float]]:
+    """Add each request to transformers' continuous batching once its arrival (seconds after ``t0``,
+    ``time.perf_counter()``) has passed, and collect the results: ``({id: (result, perf_counter when it
+    came)}, {id: arrival perf_counter})``.
+
+    Raises:
+        RuntimeError: a request failed, or the manager's thread stopped before every request finished.
+    """
+    pending = sorted(requests, key=lambda r: r.arrival)
+    results: dict = {}
+    arrivals: dict[str, float] = {}
+    while len(results) < len(requests):
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival <= now:
+            r = pending.pop(0)
+            arrivals[r.request_id] = t0 + r.arrival
+            mgr.add_request(list(r.prompt_token_ids), request_id=r.request_id, max_new_tokens=r.max_tokens,
+                            record_timestamps=True, eos_token_id=-1)
+        wait = 0.05 if not pending else max(0.0, min(0.05, pending[0].arrival - now))
+        res = mgr.get_result(timeout=wait)
+        if res is not None and res.is_finished():
+            if res.error:
+                raise RuntimeError(f"hf-cb request {res.request_id} failed: {res.error}")
+            results[res.request_id] = (res, time.perf_counter())
+        elif res is None and not mgr.is_running() and not pending:
+            raise RuntimeError("transformers' continuous batching thread stopped early")
+    return results, arrivals
 
 
 # ==================================================================================================
@@ -354,7 +390,7 @@ def replay_schedule(requests: Sequence[BenchRequest], policy: str = "continuous"
         n_sched = {q.request_id for q, _ in out.scheduled}
         idle += sum(1 for q in slots if q is not None and q.request_id not in n_sched)
         sampled = {q.request_id: 0 for q, n in out.scheduled if q.num_computed_tokens + n == q.num_tokens}
-        sched.update_from_output(out, sampled)
+        sched.apply_stops(*sched.update_from_output(out, sampled))  # token-level stops (EOS is ignored)
         steps += 1
         tokens = [0] * nb
         for q in sched.running:

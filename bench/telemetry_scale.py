@@ -2,11 +2,10 @@
 
 For each pool size an engine runs 8 greedy requests x 64 tokens at a time (new ones replace the finished)
 for a full telemetry ring (512 steps) and reports, per step, the time spent recording telemetry (the KV
-snapshot, its events and ``Telemetry.record``) and the step outside the forward; the ring's memory (deep
+events' provenance, the snapshot and ``Telemetry.record``: ``Telemetry.observe``) and the step outside the forward; the ring's memory (deep
 size of the kept snapshots plus the KV history's two states); and the block map of the newest step: build
-time (rebuilding the per-block state from the events included) and its Plotly JSON bytes. Pools up to
-``--eager-upto`` blocks are also run with per-block tuples in every snapshot (what the telemetry did for
-every pool before the KV events), for comparison.
+time (rebuilding the per-block state from the events included) and its Plotly JSON bytes. Snapshots keep
+no per-block tuples at any pool size: the block map's per-block state is rebuilt from the KV events.
 
 The model is a random 2-layer Llama (hidden 64, 2 KV heads: 8 KiB of KV per 16-token block, float32),
 so even 360,000 blocks fit in memory (2.9 GiB): the pool is real, the forward is tiny, and telemetry
@@ -67,7 +66,7 @@ def tiny_model(vocab_size: int):
     return LlamaForCausalLM(cfg).eval()
 
 
-def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup: int = 40) -> dict:
+def run(model, tokenizer, num_blocks: int, steps: int = 512, warmup: int = 40) -> dict:
     """One pool size: recording ms per step, step ms outside the forward, ring and history bytes, block map
     (build ms with the per-block state rebuilt, JSON bytes; a look-back to the middle of the ring)."""
     from bench.workloads import render_chat
@@ -75,23 +74,21 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
     from engine.core import EngineCore
     from engine.prompts import chat_prompts
     from engine.request import SamplingParams
-    from engine.telemetry import Telemetry
     from ui import figures
 
     cfg = EngineConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=8, telemetry_capacity=steps, dtype="float32")
     core = EngineCore(cfg, model=model, tokenizer=tokenizer)
-    core.telemetry = Telemetry(capacity=steps, eager_block_limit=num_blocks if eager else 0)
     prompts = [render_chat(tokenizer, m) for m in chat_prompts(64)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rec: list[float] = []
-    real = core._record
+    real = core.telemetry.observe
 
-    def timed(*a, **k):
+    def timed(view):
         t = time.perf_counter()
-        real(*a, **k)
+        real(view)
         rec.append(time.perf_counter() - t)
 
-    core._record = timed  # type: ignore[method-assign]
+    core.telemetry.observe = timed  # type: ignore[method-assign]
     n = live = 0
     for _ in range(warmup + steps):
         while live < 8:
@@ -103,7 +100,7 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
     outside = [1000 * (s.duration - s.forward_time) for s in snaps]
     hist = core.telemetry.kv_history
     seen: set[int] = {id(hist)}  # the snapshots refer to the history: counted apart
-    history = deep_size([hist.base, hist.head], seen)  # the two replay states (both modes keep them)
+    history = deep_size([hist.base, hist.head], seen)  # the two replay states
     ring = deep_size(list(snaps), seen)
     last = snaps[-1]
     colors = figures.default_colors(snaps)
@@ -119,7 +116,7 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
     t = time.perf_counter()
     figures.spec_json(figures.block_map_spec(old, colors, height=280))
     look_back = time.perf_counter() - t
-    return {"num_blocks": num_blocks, "eager": eager, "record_ms": 1000 * statistics.median(rec[warmup:]),
+    return {"num_blocks": num_blocks, "record_ms": 1000 * statistics.median(rec[warmup:]),
             "record_p99_ms": 1000 * float(np.percentile(rec[warmup:], 99)),
             "outside_ms": statistics.median(outside), "ring_mib": ring / 2**20, "history_mib": history / 2**20,
             "map_ms": 1000 * statistics.median(builds), "map_kb": size / 1000, "look_back_ms": 1000 * look_back}
@@ -127,7 +124,7 @@ def run(model, tokenizer, num_blocks: int, eager: bool, steps: int = 512, warmup
 
 def worst_case_map(num_blocks: int = 360_000, requests: int = 2_000) -> dict:
     """Every block held (ids like ``chat-0123abcd``), some shared, reused and prefix hits: the map's bound."""
-    from engine.kv_cache import BlockTake
+    from engine.kv_events import BlockTake
     from engine.telemetry import StepSnapshot
     from ui import figures
 
@@ -149,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="pool sizes (blocks)")
     ap.add_argument("--steps", type=int, default=512, help="steps timed (the ring's length)")
-    ap.add_argument("--eager-upto", type=int, default=32_768, help="also run per-block tuples up to this pool size")
     args = ap.parse_args(argv)
     import torch
 
@@ -159,16 +155,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(None)
     model = tiny_model(len(tokenizer))
     print("pool: real KV tensors of a random 2-layer Llama (8 KiB per 16-token block); 8 greedy requests x 64 tokens")
-    print("record: ms per step in EngineCore._record (KV snapshot, events, StepSnapshot, Telemetry.record), median and p99;")
+    print("record: ms per step in Telemetry.observe (provenance of the events, StepSnapshot, Telemetry.record), median and p99;")
     print("ring: the 512 kept snapshots; history: the KV history's two replay states; map: newest step's block map")
-    print(f"{'blocks':>8} {'snapshots':>10} {'record ms':>10} {'p99 ms':>7} {'outside fwd ms':>15} {'ring MiB':>9} "
+    print(f"{'blocks':>8} {'record ms':>10} {'p99 ms':>7} {'outside fwd ms':>15} {'ring MiB':>9} "
           f"{'history MiB':>12} {'map ms':>7} {'map KB':>7} {'look-back ms':>13}")
     for n in args.sizes:
-        for eager in ([True, False] if n <= args.eager_upto else [False]):
-            r = run(model, tokenizer, n, eager, steps=args.steps)
-            print(f"{n:>8,} {'per-block' if eager else 'events':>10} {r['record_ms']:>10.3f} {r['record_p99_ms']:>7.3f} "
-                  f"{r['outside_ms']:>15.2f} {r['ring_mib']:>9.2f} {r['history_mib']:>12.2f} {r['map_ms']:>7.1f} {r['map_kb']:>7.1f} "
-                  f"{r['look_back_ms']:>13.1f}", flush=True)
+        r = run(model, tokenizer, n, steps=args.steps)
+        print(f"{n:>8,} {r['record_ms']:>10.3f} {r['record_p99_ms']:>7.3f} {r['outside_ms']:>15.2f} {r['ring_mib']:>9.2f} "
+              f"{r['history_mib']:>12.2f} {r['map_ms']:>7.1f} {r['map_kb']:>7.1f} {r['look_back_ms']:>13.1f}", flush=True)
     w = worst_case_map()
     print(f"worst case, 360,000 blocks all held by 2,000 requests (synthetic snapshot): map {w['map_ms']:.1f} ms, "
           f"{w['map_kb']:.1f} KB")

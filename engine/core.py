@@ -1,4 +1,9 @@
-"""EngineCore: one engine step = schedule -> forward -> sample -> update -> output -> telemetry.
+"""EngineCore: one engine step = schedule -> forward -> sample -> update -> text -> output -> telemetry.
+
+Data flows one way through a step: the scheduler appends the sampled tokens and returns their token-level
+stops; the output processor turns the tokens into text and returns the stops it resolves (stop strings);
+the core ends those requests through the scheduler; the telemetry gets one :class:`engine.telemetry.StepView`
+of the step to observe. No stage calls back into an earlier one.
 
 ``add_request`` and ``abort_request`` may be called from any thread: they only validate and put a
 message in an inbox, which :meth:`EngineCore.step` drains on the stepping thread. Everything else
@@ -26,8 +31,7 @@ from engine.parallel_sampling import add_fork_rows, child_ids
 from engine.request import Request, RequestOutput, RequestState, RequestStatus, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stopping import Stop
-from engine.telemetry import BatchSlotSnapshot, FinishedRequestStats, StepSnapshot, Telemetry
+from engine.telemetry import StepView, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class EngineCore:
         self.max_model_len = min(x for x in limits if x)
         cfg.max_model_len = self.max_model_len
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.free_block_order)
-        self.scheduler = Scheduler(cfg, self.kv, self.max_model_len, on_token=self._on_token)
+        self.scheduler = Scheduler(cfg, self.kv, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, cfg.block_size, cfg.forward, cfg.batch_invariant,
                                   static_decode=cfg.static_decode, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
@@ -116,10 +120,6 @@ class EngineCore:
         self._rejected: list[Request] = []  # refused while draining the inbox (e.g. a duplicate id)
 
     # ------------------------------------------------------------------ requests in
-    def tokenize(self, prompt, check_length: bool = True) -> list[int]:
-        """Prompt -> token ids (:meth:`engine.input_processor.InputProcessor.tokenize`)."""
-        return self.input_processor.tokenize(prompt, check_length)
-
     def make_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                      cache_salt: str | None = None) -> Request:
         """Validate and build a :class:`Request` (any thread; touches no engine state): the input
@@ -182,10 +182,9 @@ class EngineCore:
         requests that ended (aborted, refused)."""
         if not self._drain_inbox():
             return []
-        self._amend_telemetry()
         finished = self.scheduler.take_finished()
         outputs = self._outputs(finished)
-        self._record_finished(finished + self.scheduler.take_finished(), time.monotonic())
+        self.telemetry.observe(self._view(finished + self.scheduler.take_finished()))
         outputs += self._rejected_outputs()
         return outputs
 
@@ -223,23 +222,26 @@ class EngineCore:
                 engine's state cannot be trusted; callers fail everything in flight (:meth:`fail_all`).
         """
         t0 = time.monotonic()
-        self.kv.pool.step = self.step_count + 1  # stamps the blocks taken and freed in this step
         self._drain_inbox()
         sched = self.scheduler.schedule()  # schedule
-        batch_slots = self.scheduler.batch_slot_snapshot(sched)
         sampled, forward_time = self._execute(sched)  # execute: forward and sample
-        changed = self.scheduler.update_from_output(sched, sampled) if not sched.is_empty else []  # update, stops
+        changed, token_stops = self.scheduler.update_from_output(sched, sampled)  # update: tokens, token-level stops
+        stops = self.output_processor.process_tokens(changed, token_stops)  # text: detokenize, stop strings
+        self.scheduler.apply_stops(changed, stops)  # the requests that stop end (blocks freed)
         finished = self.scheduler.take_finished()
         outputs = self._outputs(changed + finished)  # outputs
         finished += self.scheduler.take_finished()  # failed while their output was built (already in outputs)
         outputs += self._rejected_outputs()
         if not sched.is_empty or finished:
             self.step_count += 1
-            self._observe(t0, forward_time, sched, batch_slots, changed, finished)
+            self.peak_used_blocks = max(self.peak_used_blocks, self.kv.num_used_blocks)
+            try:  # telemetry only observes: its failure must not lose the outputs
+                self.telemetry.observe(self._view(finished, sched, t0, forward_time, len(changed)))
+            except Exception:
+                log.exception("recording telemetry failed at step %d; the step's outputs are delivered", self.step_count)
             if self.config.prefill_step_target is not None:  # only then is the cost model read
                 self.scheduler.step_cost.observe(sched.num_scheduled_tokens, time.monotonic() - t0,
                                                  sched.attention_pairs)
-        self.kv.pool.step = self.step_count  # blocks freed between steps (aborts while paused): this step
         return outputs
 
     def run_to_end(self, max_steps: int | None = None) -> dict[str, RequestOutput]:
@@ -280,23 +282,18 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
         return sampled, time.monotonic() - tf
 
-    def _observe(self, t0: float, forward_time: float, sched: SchedulerOutput,
-                 batch_slots: tuple[BatchSlotSnapshot, ...], changed: list[Request], finished: list[Request]) -> None:
-        """Record the step in the telemetry; telemetry only observes: its failure must not lose the outputs."""
-        try:
-            self._record(t0, forward_time, sched, batch_slots, changed, finished)
-        except Exception:
-            log.exception("recording telemetry failed at step %d; the step's outputs are delivered", self.step_count)
-            self.kv.pool.emit_frame()  # the KV events of this step are lost: the next step starts from a frame
-
-    def _on_token(self, req: Request, token_stop: Stop | None) -> Stop | None:
-        """The scheduler's per-token hook: the output processor's text and stop strings; a fault there
-        fails this sequence alone."""
-        try:
-            return self.output_processor.on_token(req, token_stop)
-        except Exception as e:
-            log.exception("detokenizing failed for request %s", req.request_id)
-            return Stop(RequestStatus.FINISHED_ERROR, error=f"detokenizing failed: {e!r}")
+    def _view(self, finished: list[Request], sched: SchedulerOutput | None = None, start: float = 0.0,
+              forward_time: float = 0.0, num_generated_tokens: int = 0) -> StepView:
+        """The :class:`engine.telemetry.StepView` of the step just run (``sched``), or of the state now
+        between steps (``sched`` None: the newest snapshot is amended); ``finished``: the sequences that ended."""
+        kv, sch = self.kv, self.scheduler
+        return StepView(step=self.step_count, scheduled=sched, start=start, forward_time=forward_time,
+                        num_generated_tokens=num_generated_tokens, running=tuple(sch.running),
+                        waiting=tuple(r.request_id for r in sch.waiting), finished=tuple(finished),
+                        num_preemptions=sch.num_preemptions, kv_events=kv.pool.pop_events(), num_blocks=kv.num_blocks,
+                        block_size=kv.block_size, num_used_blocks=kv.num_used_blocks,
+                        prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+                        held_time=self.pacing.held_time)
 
     def _fail(self, req: Request, error: str) -> None:
         """Fail one sequence: finished now (blocks freed), or, if a token-level stop finished it this
@@ -316,8 +313,7 @@ class EngineCore:
         finished = self.scheduler.take_finished()
         outputs = self._outputs(finished)
         try:  # the panels, /health and /metrics show the emptied engine and count the failures
-            self._amend_telemetry()
-            self._record_finished(finished, time.monotonic())
+            self.telemetry.observe(self._view(finished))
         except Exception:
             log.exception("recording telemetry after failing every request failed")
         return outputs
@@ -370,81 +366,3 @@ class EngineCore:
             return RequestState("prefilling", computed=req.num_computed_tokens, prompt=req.num_prompt_tokens,
                                 preempted=req.num_preemptions > 0)
         return RequestState("decoding", preempted=req.num_preemptions > 0)
-
-    def _record(self, t0: float, forward_time: float, sched: SchedulerOutput,
-                batch_slots: tuple[BatchSlotSnapshot, ...], changed: list[Request], finished: list[Request]) -> None:
-        kv = self._kv_snapshot()
-        self.peak_used_blocks = max(self.peak_used_blocks, kv.num_used_blocks)
-        now = time.monotonic()
-        self.telemetry.record(
-            StepSnapshot(
-                step=self.step_count,
-                time=now,
-                duration=now - t0,
-                forward_time=forward_time,
-                batch_slots=batch_slots,
-                block_tables=kv.block_tables,
-                block_refcount=kv.block_refcount,
-                block_tokens=kv.block_tokens,
-                block_reuses=kv.block_reuses,
-                cached_blocks=kv.cached_blocks,
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
-                num_scheduled_tokens=sched.num_scheduled_tokens,
-                num_generated_tokens=len(changed),
-                num_preemptions=self.scheduler.num_preemptions,
-                finished=tuple(r.request_id for r in finished),
-                admitted=tuple(r.request_id for r in sched.admitted),
-                prefix_cache_queries=kv.prefix_cache_queries,
-                prefix_cache_hits=kv.prefix_cache_hits,
-                cache_hit_blocks=kv.cache_hit_blocks,
-                waiting=tuple(r.request_id for r in self.scheduler.waiting),
-                block_takes=self.kv.pool.take_events(),
-                block_origins=kv.block_origins,
-                **self._kv_fields(kv, ()),
-            )
-        )
-        self._record_finished(finished, now)
-
-    def _kv_snapshot(self):
-        """The KV cache after the step: with per-block tuples only for a pool the telemetry keeps them for."""
-        return self.kv.snapshot(self.scheduler.running, self.telemetry.keeps_block_tuples(self.kv.num_blocks))
-
-    def _kv_fields(self, kv, earlier_events: tuple) -> dict:
-        """The snapshot fields of the step's KV events (after ``earlier_events``: an amended step's)."""
-        return dict(kv_events=earlier_events + self.kv.pool.pop_events(), request_fill=kv.request_fill,
-                    used_blocks=kv.num_used_blocks, pool_blocks=self.kv.num_blocks, kv_history=self.telemetry.kv_history)
-
-    def _amend_telemetry(self) -> None:
-        """Between steps (a paused engine took requests or aborts): the newest snapshot's pool, block tables
-        and queue become what they are now, so the panels show freed blocks and queued requests at once."""
-        waiting = tuple(r.request_id for r in self.scheduler.waiting)
-        last = self.telemetry.latest()
-        if last is None:  # before the first step: only the queue (amend_latest sets it otherwise)
-            self.telemetry.set_queue(waiting)
-            return
-        kv = self._kv_snapshot()
-        self.telemetry.amend_latest(dataclasses.replace(
-            last, block_tables=kv.block_tables, block_refcount=kv.block_refcount, block_tokens=kv.block_tokens,
-            block_reuses=kv.block_reuses, cached_blocks=kv.cached_blocks, cache_hit_blocks=kv.cache_hit_blocks,
-            block_origins=kv.block_origins, num_running=len(self.scheduler.running), num_waiting=len(waiting), waiting=waiting,
-            **self._kv_fields(kv, last.kv_events),
-        ))
-
-    def _record_finished(self, finished: list[Request], now: float) -> None:
-        """Latency records of finished requests; time the engine was held by a pause is left out of TTFT,
-        TPOT and e2e (it measures the presenter, not the engine)."""
-        held = self.pacing.held_time
-        for r in finished:
-            end = r.finish_time or now
-            ttft, tpot = r.ttft, r.tpot
-            first, last = r.first_token_time, r.finish_time  # set whenever ttft / tpot are
-            if ttft is not None and first is not None:
-                ttft = max(0.0, ttft - held(r.arrival_time, first, now))
-            if tpot is not None and first is not None and last is not None:
-                n = len(r.output_token_ids) - 1
-                tpot = max(0.0, tpot - held(first, last, now) / n)
-            self.telemetry.record_finished(
-                FinishedRequestStats(r.request_id, ttft, tpot, max(0.0, end - r.arrival_time - held(r.arrival_time, end, now)),
-                                     r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)
-            )

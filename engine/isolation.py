@@ -12,8 +12,9 @@
   sampled alone and only the rows that raise fail.
 
 Each returns the failed requests with their error message; the caller finishes them
-(``FINISHED_ERROR``, blocks freed). Detokenizing, stop handling and output building are guarded per
-request where they run (``EngineCore.step``, ``Scheduler.update_from_output``, ``EngineCore._outputs``).
+(``FINISHED_ERROR``, blocks freed). Stop handling, detokenizing and output building are guarded per
+request where they run (``Scheduler.update_from_output``, ``OutputProcessor.process_tokens``,
+``EngineCore._outputs``).
 """
 
 from __future__ import annotations

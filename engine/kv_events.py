@@ -1,20 +1,26 @@
 """KV cache events: what changed in the block pool in one step, and the block state they replay to.
 
-The block pool (:class:`engine.kv_cache.BlockPool`) appends one event per change, in order, at a cost
-proportional to the blocks that changed, never to the pool:
+Two vocabularies, one stream. The block pool (:class:`engine.kv_cache.BlockPool`) says only what it
+knows, one event per change, in order, at a cost proportional to the blocks that changed, never to the
+pool:
 
-- :class:`BlockTake`: a request took a block (kind ``new`` / ``reused`` / ``own``: allocated; ``cached``:
-  a free cached prefix found again; ``shared``: a prefix hit on a block another request holds);
-- :class:`BlockFreed`: a block's refcount dropped to 0 (back in the free queue);
+- :class:`BlockAllocated`: a block went to a request, from the free queue, as a cached-free block (a
+  prefix hit) or as a block another request holds (a shared prefix hit);
+- :class:`BlockReleased`: a block's refcount dropped to 0 (back in the free queue);
 - :class:`BlockStored`: a full block's content hash entered the prefix-cache map;
 - :class:`BlockEvicted`: a cached block was taken for new data and its hash dropped;
 - :class:`PrefixCacheCleared`: the hashes of free blocks were forgotten (``reset_prefix_cache``);
-- :class:`KVFrame`: the whole replayable state at that point of the stream (the pool's first event, and
-  again whenever a reader may have missed events), so a reader can start at any frame.
+- :class:`KVFrame`: the empty pool, as the pool's first event.
 
-:class:`BlockState` replays them: per block the reuse count and whether it holds a cached hash, and the
-provenance of every held block. Refcounts, fill and ownership are not in the events: they follow from
-a step's block tables and each request's computed tokens (:func:`block_arrays`).
+The telemetry's :class:`engine.kv_provenance.Provenance` turns that into the *KV events* a step carries
+(``StepSnapshot.kv_events``): each :class:`BlockAllocated` becomes a :class:`BlockTake` (kind ``new`` /
+``reused`` / ``own``: from the free queue; ``cached``; ``shared``; with whose the block was and the step
+it was freed), each :class:`BlockReleased` a :class:`BlockFreed` (its last holder, the step), and a
+:class:`KVFrame` of the whole replayable state is put in again whenever a reader may have missed events.
+
+:class:`BlockState` replays the KV events: per block the reuse count and whether it holds a cached hash,
+and the provenance of every held block. Refcounts, fill and ownership are not in the events: they follow
+from a step's block tables and each request's computed tokens (:func:`block_arrays`).
 
 Mapping onto vLLM's KV cache events (``BlockStored(block_hashes, parent_block_hash, token_ids,
 block_size)``, ``BlockRemoved(block_hashes)``, ``AllBlocksCleared``): :func:`to_vllm_events`. Ours carry
@@ -26,10 +32,8 @@ from __future__ import annotations
 
 import array
 import functools
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -39,6 +43,31 @@ TAKE_REUSED = "reused"  # freed by another request; its old contents are overwri
 TAKE_CACHED = "cached"  # a free block still holding a cached prefix (prefix-cache hit): contents kept
 TAKE_SHARED = "shared"  # a prefix-cache hit on a block another request holds now (refcount > 1)
 TAKE_OWN = "own"  # freed by the same request before (it was preempted, or a copy-on-write of its own)
+
+
+# BlockAllocated.source: where the pool found the block it hands to a request
+FROM_FREE = "free"  # the free queue (its old contents, if any, are overwritten)
+FROM_CACHED = "cached"  # a free block still holding a cached prefix (a prefix-cache hit): contents kept
+FROM_HELD = "held"  # a block another request holds now (a prefix-cache hit, refcount > 1)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockAllocated:
+    """The pool handed ``block_id`` to ``request_id`` (None: a fork's siblings, no take of their own), found
+    in ``source`` (``FROM_FREE``, ``FROM_CACHED`` or ``FROM_HELD``). A pool event: the telemetry turns it
+    into a :class:`BlockTake`."""
+
+    block_id: int
+    request_id: str | None
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockReleased:
+    """Block ``block_id``'s refcount dropped to 0: it is back in the free queue. A pool event: the telemetry
+    turns it into a :class:`BlockFreed`."""
+
+    block_id: int
 
 
 @dataclass(frozen=True)
@@ -318,94 +347,3 @@ class KVFeed:
     frame: KVFrame | None
     steps: tuple[KVStepEvents, ...]
     cursor: tuple[int, int]
-
-
-class KVHistory:
-    """The block state behind a telemetry ring, for pools whose steps keep no per-block tuples.
-
-    ``base`` is the state after the last step that left the ring, ``head`` the state after the newest step;
-    both advance by the events of one step per record (O(events)). A kept step's arrays are ``head`` (the
-    newest step) or ``base`` replayed through the kept steps up to it, built on demand and cached (the
-    last two). Memory: two states (about 5 bytes per block plus the held blocks' provenance), whatever
-    the ring's length.
-
-    Args:
-        steps: the telemetry's ring of :class:`engine.telemetry.StepSnapshot` (read under ``lock``).
-        lock: the telemetry's lock, held by the caller of :meth:`on_record` and :meth:`on_amend`.
-    """
-
-    CACHED_VIEWS = 2
-
-    def __init__(self, steps, lock) -> None:
-        self._steps, self._lock = steps, lock
-        self.base, self.head = BlockState(), BlockState()
-        self.base_step = 0
-        self._views: dict[int, tuple[object, BlockArrays]] = {}
-        self._views_lock = threading.Lock()
-        self._cursor: tuple[Any, BlockState] | None = None  # the last older step replayed, and its state
-
-    def on_record(self, snap, evicted) -> None:
-        """A step was appended (``evicted``: the step it pushed out of the ring, or None)."""
-        if evicted is not None:
-            self.base.apply(evicted.kv_events)
-            self.base_step = evicted.step
-        self.head.apply(snap.kv_events)
-
-    def on_amend(self, old, new) -> None:
-        """The newest step ``old`` was replaced by ``new``, whose events extend ``old``'s."""
-        self.head.apply(new.kv_events[len(old.kv_events):])
-
-    def arrays(self, snap) -> BlockArrays:
-        """The :class:`BlockArrays` of a step in the ring (any thread).
-
-        Raises:
-            LookupError: the step has left the ring (its per-block state is no longer kept).
-        """
-        with self._views_lock:
-            hit = self._views.get(id(snap))
-            if hit is not None and hit[0] is snap:
-                return hit[1]
-        with self._lock:
-            steps = list(self._steps)
-            newest = bool(steps) and steps[-1] is snap
-            if not newest and snap.step <= self.base_step:
-                raise LookupError(f"step {snap.step} has left the telemetry ring: its block map is no longer kept")
-            after = self.base_step
-            with self._views_lock:
-                cursor = self._cursor
-            if newest:
-                state = self.head.copy()
-            elif (cursor is not None and self.base_step < cursor[0].step < snap.step
-                  and any(s is cursor[0] for s in steps)):  # go on from the last step replayed (reading forward)
-                state, after = cursor[1].copy(), cursor[0].step
-            else:
-                state = self.base.copy()
-        if not newest:
-            for s in steps:
-                if after < s.step < snap.step:
-                    state.apply(s.kv_events)
-            state.apply(snap.kv_events)
-        out = block_arrays(state, snap.block_tables, snap.request_fill)
-        with self._views_lock:
-            if not newest:
-                self._cursor = (snap, state)
-            self._views[id(snap)] = (snap, out)
-            while len(self._views) > self.CACHED_VIEWS:
-                self._views.pop(next(iter(self._views)))
-        return out
-
-    def feed(self, since: tuple[int, int] | None) -> KVFeed:
-        """See :meth:`engine.telemetry.Telemetry.kv_feed` (call under the telemetry's lock)."""
-        steps = list(self._steps)
-        if not steps:
-            return KVFeed(None, (), (0, 0))
-        last = steps[-1]
-        cursor = (last.step, len(last.kv_events))
-        if since is None or since[0] < steps[0].step - 1:
-            return KVFeed(self.head.frame(last.step), (), cursor)
-        out = []
-        for s in steps:
-            if s.step > since[0] or (s.step == since[0] and len(s.kv_events) > since[1]):
-                events = s.kv_events if s.step > since[0] else s.kv_events[since[1]:]
-                out.append(KVStepEvents(s.step, events, s.block_tables, s.request_fill))
-        return KVFeed(None, tuple(out), cursor)

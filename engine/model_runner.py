@@ -1,100 +1,33 @@
 """Runs one forward pass per step over a packed (varlen) batch, against the paged KV cache.
 
-Two forwards, chosen once per engine (``EngineConfig.forward``):
+The forward is chosen once per engine (``EngineConfig.forward``) from the model registry
+(:mod:`engine.models`):
 
-* ``"auto"``: the engine's own forward (:mod:`engine.models`) for the architectures it owns (the Llama
-  family): merged projections, fused norms, RoPE and SiLU-and-mul, the LM head on sampling rows only.
-* ``"transformers"`` (and any other architecture under ``"auto"``): the transformers model's modules,
-  with our attention: ``paged_attention_forward`` is registered in transformers' ``AttentionInterface``
-  under :data:`ATTN_NAME`, and each step's metadata (:class:`AttentionMetadata`) reaches it as an extra
-  keyword argument of ``model(...)``. With ``attention_mask=None``, ``use_cache=False`` and no mask
-  function registered for our name, transformers builds no ``T x T`` mask.
+* ``"auto"``: the engine's own forward for the architectures the registry has (the Llama family): merged
+  projections, fused norms, RoPE and SiLU-and-mul, the LM head on sampling rows only; any other
+  architecture falls back to transformers' modules;
+* ``"transformers"``: transformers' modules with our paged attention registered in them
+  (:class:`engine.models.TransformersForward`).
+
+Both take the step's :class:`engine.attention.AttentionMetadata`, packed here (or, for a pure decode step,
+kept in static buffers by :mod:`engine.static_decode`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 import kernels
+from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_KV_CACHE_MEMORY, FORWARDS, EngineConfig
-from engine.models import build_forward
+from engine.models import TransformersForward, build_forward
 from engine.request import Request
 from engine.static_decode import StaticDecode
 
 log = logging.getLogger(__name__)
-
-ATTN_NAME = "cbp_paged"
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs of the paged attention, shared by all layers.
-
-    Attributes:
-        kv_caches: per layer ``(key_cache, value_cache)``, each ``[num_blocks, num_kv_heads,
-            block_size, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64, cache slot of each new token.
-        block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0.
-        seq_lens: ``[num_seqs]`` int32, context length after this step (tokens).
-        query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts.
-        seq_lens_list / query_start_loc_list: the same as Python lists (host side).
-    """
-
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens_list: list[int]
-    query_start_loc_list: list[int]
-
-
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: write this step's K/V into the paged cache, then attend.
-
-    Args:
-        module: the attention module (``module.layer_idx`` selects the cache).
-        query: ``[1, num_heads, num_tokens, head_dim]``; key, value: ``[1, num_kv_heads, num_tokens,
-            head_dim]`` (after RoPE).
-        attention_mask: ignored (causality comes from the metadata).
-        scaling: softmax scale.
-        kwargs: must hold ``cbp_attn_metadata`` (:class:`AttentionMetadata`).
-
-    Returns:
-        ``([1, num_tokens, num_heads, head_dim], None)``.
-    """
-    meta: AttentionMetadata = kwargs["cbp_attn_metadata"]
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
-    out = kernels.paged_attention(
-        q,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        scaling,
-        seq_lens_list=meta.seq_lens_list,
-        query_start_loc_list=meta.query_start_loc_list,
-    )
-    return out.unsqueeze(0), None
-
-
-def register_attention() -> str:
-    """Register :func:`paged_attention_forward` in transformers' ``AttentionInterface`` (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-    return ATTN_NAME
 
 
 def kv_cache_shape(config) -> tuple[int, int, int]:
@@ -117,7 +50,7 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM (any architecture whose attention goes through
-            ``ALL_ATTENTION_FUNCTIONS``); it is switched to our attention.
+            ``ALL_ATTENTION_FUNCTIONS``; without an own forward it is switched to our attention).
         num_blocks: physical blocks per layer.
         block_size: tokens per block.
         forward: ``"auto"`` (the engine's own forward where it owns the architecture) or
@@ -130,6 +63,8 @@ class ModelRunner:
             (tokens) of the static buffers.
 
     Attributes:
+        own_forward: the engine's own forward (:data:`engine.models.MODEL_REGISTRY`), or None.
+        forward: the forward that runs: ``own_forward``, or the transformers fallback.
         static: the :class:`engine.static_decode.StaticDecode` runner, or None (eager steps only).
 
     Raises:
@@ -150,9 +85,7 @@ class ModelRunner:
         if batch_invariant and kernels.backend_for(torch.empty(0, device=self.device)) == "torch":
             log.warning("batch-invariant mode: the attention runs on the torch path here (forced, or the C++ "
                         "kernels did not build), which is not batch invariant: outputs may still change with the batch")
-        if self.own_forward is None:
-            register_attention()
-            model.set_attn_implementation(ATTN_NAME)
+        self.forward = self.own_forward if self.own_forward is not None else TransformersForward(model)
         self.num_prepacked_linears = 0
         self.num_float32_linears = 0  # bfloat16 linears that multiply many-row calls in float32
         self.num_own_gemm_linears = 0  # linears on the engine's own GEMM (bfloat16, or float32 on AVX2-only CPUs)
@@ -257,22 +190,9 @@ class ModelRunner:
         if self.static is not None and self.static.supports(scheduled):
             return self.static.execute(scheduled), [req for req, _ in scheduled]
         input_ids, positions, meta, rows, sampling = self.prepare(scheduled)
-        if self.own_forward is not None:
-            logits = self.own_forward.forward(input_ids[0], positions[0], meta, rows)
-            return (logits if sampling else None), sampling
-        if self.model.config._attn_implementation != ATTN_NAME:
-            # the same model object may also serve transformers' own generate (tests, baselines)
-            self.model.set_attn_implementation(ATTN_NAME)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=None,
-            use_cache=False,
-            logits_to_keep=rows,
-            cbp_attn_metadata=meta,
-        )
+        logits = self.forward.forward(input_ids[0], positions[0], meta, rows)
         # a step of partial prefill chunks only fills the cache: ``rows`` is empty, no logits
-        return (out.logits[0] if sampling else None), sampling
+        return (logits if sampling else None), sampling
 
 
 def num_blocks_for(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:

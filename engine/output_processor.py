@@ -1,18 +1,24 @@
 """The engine's output step: sampled token ids -> text deltas, stop strings, :class:`RequestOutput`.
 
-:meth:`OutputProcessor.on_token` runs for every token the scheduler appends
-(:meth:`engine.scheduler.Scheduler.update_from_output` calls it through the engine core): it turns the
-token into UTF-8-safe text with the request's :class:`IncrementalDetokenizer`, finds stop *strings*
-(only the text can show them) and returns the request's stop by the one rule of :mod:`engine.stopping`;
-the scheduler applies it once, so the blocks of a request that ends return to the pool in the same step.
-vLLM v1 also keeps the detokenizer and the stop-string check in its output processor.
+:meth:`OutputProcessor.process_tokens` is the text step of :meth:`engine.core.EngineCore.step`: it runs after
+the scheduler has appended the step's tokens (:meth:`engine.scheduler.Scheduler.update_from_output`, which
+returns their token-level stops as data), turns each new token into UTF-8-safe text with its sequence's
+:class:`IncrementalDetokenizer`, finds stop *strings* (only the text can show them) and returns each
+sequence's stop by the one rule of :mod:`engine.stopping`, as data again; the core then ends those requests
+(:meth:`engine.scheduler.Scheduler.apply_stops`), so the blocks of a request that ends return to the pool in
+the same step. Nothing here calls back into the scheduler. vLLM v1 also keeps the detokenizer and the
+stop-string check in its output processor.
 """
 
 from __future__ import annotations
 
+import logging
+
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine.stopping import Stop, resolve
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -34,10 +40,29 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
                                       params.include_stop_str_in_output)
 
-    def on_token(self, req: Request, token_stop: Stop | None) -> Stop | None:
+    def process_tokens(self, changed: list[Request], token_stops: dict[str, Stop]) -> dict[str, Stop]:
+        """The text step: :meth:`detokenize` the newest token of each sequence of ``changed`` (in order) with
+        its token-level stop from ``token_stops`` (request id -> :class:`engine.stopping.Stop`).
+
+        Returns:
+            request id -> the :class:`engine.stopping.Stop` of each sequence that ends. A fault while
+            detokenizing one sequence ends it alone (``FINISHED_ERROR``, "detokenizing failed: ...").
+        """
+        stops: dict[str, Stop] = {}
+        for req in changed:
+            try:
+                stop = self.detokenize(req, token_stops.get(req.request_id))
+            except Exception as e:
+                log.exception("detokenizing failed for request %s", req.request_id)
+                stop = Stop(RequestStatus.FINISHED_ERROR, error=f"detokenizing failed: {e!r}")
+            if stop is not None:
+                stops[req.request_id] = stop
+        return stops
+
+    def detokenize(self, req: Request, token_stop: Stop | None) -> Stop | None:
         """Turn ``req``'s newest token into text (``request.pending_text``) and return its stop
         (:func:`engine.stopping.resolve` of ``token_stop``, the token-level stop, and the stop string this
-        token completed, if any). Called by the scheduler for every appended token, which applies the result.
+        token completed, if any).
 
         vLLM's rules: the text of the EOS or stop token that ended a request is left out of its text
         (kept with ``include_stop_str_in_output``; the token stays in ``token_ids``), stop strings are

@@ -35,8 +35,8 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.errors import PROMPT, ContextLengthError, RequestError
@@ -44,9 +44,24 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.step_cost import StepCostModel, attention_pairs
 from engine.stopping import Stop, check_token
-from engine.telemetry import PHASE_DECODE, PHASE_IDLE, PHASE_PREFILL, BatchSlotSnapshot
 
 log = logging.getLogger(__name__)
+
+
+class SlotState(NamedTuple):
+    """Who holds one batch slot when a step is scheduled (:attr:`SchedulerOutput.batch_slots`; plain data).
+
+    Attributes:
+        request_id: the request holding the slot.
+        num_computed_tokens: its tokens in the KV cache before the step (tokens).
+        num_prompt_tokens: its prompt length (tokens).
+        num_cached_tokens: tokens it found in the prefix cache at its latest admission (tokens).
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -61,6 +76,8 @@ class SchedulerOutput:
         blocks_to_copy: copy-on-write ``(src, dst)`` block copies to make before the forward.
         attention_pairs: (query, key) pairs the step's causal attention computes (the step cost model's
             second term, :func:`engine.step_cost.attention_pairs`).
+        batch_slots: per batch slot, who holds it once the step is scheduled (a
+            :class:`SlotState`, with its tokens computed before the step) or None.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -69,6 +86,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     attention_pairs: float = 0.0
+    batch_slots: tuple[SlotState | None, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -82,16 +100,10 @@ class Scheduler:
         config: engine settings (``max_num_seqs``, ``max_num_batched_tokens``, ``policy``).
         kv_cache_manager: the block tables and pool.
         max_model_len: context length (tokens): prompt + generated tokens never exceed it.
-        on_token: called for every appended token with the request and its token-level stop
-            (:func:`engine.stopping.check_token`); returns the request's stop (the engine core's
-            detokenizer and stop strings, :meth:`engine.output_processor.OutputProcessor.on_token`). None:
-            token-level stops only (scheduler-only replays).
     """
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 on_token: Callable[[Request, Stop | None], Stop | None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.config = config
-        self.on_token = on_token
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.static = config.policy == "static"
@@ -215,6 +227,9 @@ class Scheduler:
         out.attention_pairs = sum(attention_pairs(r.num_computed_tokens, n) for r, n in scheduled)
         out.preempted = preempted
         out.blocks_to_copy = self.kv.take_copies()
+        bs = self.kv.block_size
+        out.batch_slots = tuple(None if r is None else SlotState(r.request_id, r.num_computed_tokens, r.num_prompt_tokens,
+                                                                 r.num_hit_blocks * bs) for r in self.batch_slots)
         return out
 
     def _num_prefill_candidates(self) -> int:
@@ -292,12 +307,13 @@ class Scheduler:
         req.batch_slot = None
 
     # ------------------------------------------------------------------ results
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], dict[str, Stop]]:
         """Apply a step's results: advance ``num_computed_tokens``, record full blocks in the prefix
-        cache, fork parallel samples, append the sampled tokens and finish the requests that stop: per
-        token, the token-level stop (:func:`engine.stopping.check_token`: EOS, a stop token id,
-        ``max_tokens``, the context length) goes through ``on_token`` (text and stop strings) and the
-        result is applied here, once.
+        cache, fork parallel samples and append the sampled tokens. Nothing is finished here: each token's
+        token-level stop (:func:`engine.stopping.check_token`: EOS, a stop token id, ``max_tokens``, the
+        context length) is returned as data; the engine core resolves it with the text step (stop strings,
+        :meth:`engine.output_processor.OutputProcessor.process_tokens`) and ends the requests that stop with
+        :meth:`apply_stops`.
 
         Args:
             out: the step's :class:`SchedulerOutput`.
@@ -305,27 +321,31 @@ class Scheduler:
                 their end this step (a partial prefill chunk samples nothing).
 
         Returns:
-            Requests that got a new token this step, in scheduled order; those that finished have their
-            blocks freed already and are also returned by :meth:`take_finished`.
+            ``(changed, token_stops)``: the requests that got a new token this step, in scheduled order, and
+            request id -> token-level :class:`engine.stopping.Stop` of those whose new token ends them. A fault
+            while applying one request's step (or forking its siblings) fails it alone, at once (finished with
+            an error, blocks freed, left out of both).
         """
         changed: list[Request] = []
+        stops: dict[str, Stop] = {}
         now = time.monotonic()
         for req, n in out.scheduled:
             if req.is_finished:  # aborted or failed during the step
                 continue
             siblings = [s for s in req.pending_forks if not s.is_finished]
             try:
-                self._apply_step(req, n, siblings, sampled, changed, now)
-            except Exception as e:  # a fault in this request's stop handling or fork: it fails alone
+                self._apply_step(req, n, siblings, sampled, changed, stops, now)
+            except Exception as e:  # a fault in this request's stop check or fork: it fails alone
                 log.exception("applying the step to request %s failed", req.request_id)
                 for r in [req] + siblings:
                     if r in changed:
                         changed.remove(r)
+                    stops.pop(r.request_id, None)
                     self.finish(r, RequestStatus.FINISHED_ERROR, error=f"stop handling failed: {e!r}")
-        return changed
+        return changed, stops
 
     def _apply_step(self, req: Request, n: int, siblings: list[Request], sampled: dict[str, int],
-                    changed: list[Request], now: float) -> None:
+                    changed: list[Request], stops: dict[str, Stop], now: float) -> None:
         """:meth:`update_from_output` for one scheduled request and the siblings that fork off it."""
         req.num_computed_tokens += n
         self.kv.cache_blocks(req)
@@ -345,9 +365,16 @@ class Scheduler:
                 r.first_token_time = now
             changed.append(r)
             stop = check_token(r, self.max_model_len)
-            if self.on_token is not None:
-                stop = self.on_token(r, stop)
-            if stop is not None:  # the one place a generated token ends a request
+            if stop is not None:
+                stops[r.request_id] = stop
+
+    def apply_stops(self, changed: list[Request], stops: dict[str, Stop]) -> None:
+        """End each request of ``changed`` that has a stop in ``stops`` (request id -> its
+        :class:`engine.stopping.Stop`), in order: the one place a generated token ends a request (its stop
+        reason set, :meth:`finish`: blocks freed at once)."""
+        for r in changed:
+            stop = stops.get(r.request_id)
+            if stop is not None:
                 r.stop_reason = stop.reason
                 self.finish(r, stop.status, error=stop.error)
 
@@ -385,24 +412,3 @@ class Scheduler:
             return None
         self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
-
-    # ------------------------------------------------------------------ telemetry
-    def batch_slot_snapshot(self, out: SchedulerOutput) -> tuple[BatchSlotSnapshot, ...]:
-        """Plain-data view of the batch slots for a step just scheduled (call before
-        :meth:`update_from_output`, which releases finished requests' slots)."""
-        n_sched = {r.request_id: n for r, n in out.scheduled}
-        snaps = []
-        for i, r in enumerate(self.batch_slots):
-            if r is None:
-                snaps.append(BatchSlotSnapshot(i, None, PHASE_IDLE))
-                continue
-            n = n_sched.get(r.request_id, 0)
-            if n == 0:
-                phase = PHASE_IDLE
-            elif n > 1 or r.num_computed_tokens < r.num_prompt_tokens:
-                phase = PHASE_PREFILL
-            else:
-                phase = PHASE_DECODE
-            snaps.append(BatchSlotSnapshot(i, r.request_id, phase, n, r.num_computed_tokens + n, r.num_prompt_tokens,
-                                           num_cached_tokens=r.num_hit_blocks * self.kv.block_size))
-        return tuple(snaps)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ class StaticDecode:
 
     def __init__(self, forward, kv_caches, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_graphs: bool) -> None:
-        from engine.model_runner import AttentionMetadata  # the runner imports this module
-
         self.forward = forward
         self.block_size = block_size
         self.sizes = capture_sizes(max_num_seqs)

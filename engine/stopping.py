@@ -4,9 +4,11 @@ After a token is appended, :func:`check_token` gives the token-level stop (an en
 stop token id, ``max_tokens`` or the context length); the output processor detokenizes the token and may
 find a stop *string*; :func:`resolve` combines the two with vLLM's precedence: an EOS or stop token id
 ends the request (its text left out unless ``include_stop_str_in_output``), else a stop string (it
-wins over ``max_tokens`` reached on the same token), else the length. The scheduler applies the
-result once (:meth:`engine.scheduler.Scheduler.update_from_output` finishes the request and frees its
-blocks). Aborts and per-request faults end requests through the same ``Scheduler.finish``.
+wins over ``max_tokens`` reached on the same token), else the length. Each stage returns its stops as
+data (:meth:`engine.scheduler.Scheduler.update_from_output`, then
+:meth:`engine.output_processor.OutputProcessor.process_tokens`); the engine core applies the result once
+(:meth:`engine.scheduler.Scheduler.apply_stops` finishes the request and frees its blocks). Aborts and
+per-request faults end requests through the same ``Scheduler.finish``.
 """
 
 from __future__ import annotations

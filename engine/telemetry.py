@@ -1,15 +1,16 @@
 """Per-step, read-only snapshots of the engine's state for the live panels and the benchmarks.
 
-The engine thread calls :meth:`Telemetry.record` once per step; readers (the UI, benches, tests) call
+The engine thread calls :meth:`Telemetry.observe` once per step (a :class:`StepView`: what the core has at the
+end of the step; :mod:`engine.step_snapshot` builds the :class:`StepSnapshot` from it); readers (the UI, benches, tests) call
 :meth:`Telemetry.snapshots` / :meth:`Telemetry.stats` from any thread. Snapshots are plain data
 (tuples, dicts of ints and strings), never live engine objects, so readers can keep them.
 
 KV blocks: every step carries its KV events (``StepSnapshot.kv_events``, :mod:`engine.kv_events`: blocks
 taken, freed, stored, evicted), its block tables and each request's computed tokens, all O(what changed or
-runs). The per-block fields (``block_refcount`` ... ``block_origins``, O(num_blocks) each) are stored in
-the snapshot only for pools up to :attr:`Telemetry.eager_block_limit` blocks (talks: the snapshot is
-self-contained, as before); for larger pools they are rebuilt on first read from the telemetry's
-:class:`engine.kv_events.KVHistory` (replay of the events), while the step is in the ring.
+runs), whatever the pool's size. The per-block fields (``block_refcount`` ... ``block_origins``,
+O(num_blocks) each) are not stored: they are rebuilt on first read from the telemetry's
+:class:`engine.kv_history.KVHistory` (replay of the events), while the step is in the ring. The events
+themselves are the block pool's, with whose each block was added here (:mod:`engine.kv_provenance`).
 
 Counters are counted when they happen, never rebuilt from the rings: totals per step in :meth:`Telemetry.record`,
 per finished request in :meth:`Telemetry.record_finished`, which also hands each record to the listeners of
@@ -19,228 +20,33 @@ per finished request in :meth:`Telemetry.record_finished`, which also hands each
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
-from engine.kv_events import BlockArrays, KVFeed, KVHistory, owner_array
+from engine.kv_events import KVFeed
+from engine.kv_history import KVHistory
+from engine.kv_provenance import Provenance
+from engine.step_snapshot import (  # the snapshot types are re-exported: readers import them from here
+    PHASE_DECODE,
+    PHASE_IDLE,
+    PHASE_PREFILL,
+    BatchSlotSnapshot,
+    BlockTables,
+    StepSnapshot,
+    StepView,
+    state_fields,
+    step_fields,
+)
 
 log = logging.getLogger(__name__)
 
-PHASE_IDLE = "idle"
-PHASE_PREFILL = "prefill"
-PHASE_DECODE = "decode"
-EAGER_BLOCK_LIMIT = 512  # pools up to this many blocks (talks) keep per-block tuples in every snapshot (docs/performance.md)
+__all__ = ["PHASE_DECODE", "PHASE_IDLE", "PHASE_PREFILL", "BatchSlotSnapshot", "FinishedRequestStats",
+           "StepSnapshot", "StepView", "Telemetry", "finished_stats", "percentile"]
 
-
-class _EmptyMapping(Mapping):
-    """An immutable, hashable empty mapping (a dataclass default)."""
-
-    def __getitem__(self, key):
-        raise KeyError(key)
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-    def __hash__(self) -> int:
-        return 0
-
-    def __repr__(self) -> str:
-        return "{}"
-
-
-_EMPTY: Mapping = _EmptyMapping()
-
-
-class _PerBlock:
-    """A per-block field of :class:`StepSnapshot` (a dataclass field whose default is this descriptor): the
-    value given, or, when None was given, the value rebuilt from the telemetry's KV events on first read."""
-
-    def __init__(self, default: Any = None) -> None:
-        self.default = default
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj, objtype=None) -> Any:
-        if obj is None:
-            if self.default is None:  # a required field
-                raise AttributeError(self.name)
-            return self.default
-        value = obj.__dict__[self.slot]
-        return value if value is not None else obj.block_arrays().as_fields[self.name]
-
-    def __set__(self, obj, value) -> None:
-        obj.__dict__[self.slot] = value
-
-
-@dataclass(frozen=True)
-class BatchSlotSnapshot:
-    """One batch slot (row of the batch) in one step.
-
-    A *batch slot* is one of the ``max_num_seqs`` rows of the batch; it is not a KV-cache slot (a token
-    position in the paged cache, as in ``slot_mapping``).
-
-    Attributes:
-        batch_slot: slot index in ``[0, max_num_seqs)``.
-        request_id: the request holding the slot, or None when the slot is empty.
-        phase: ``"prefill"`` (computing prompt tokens), ``"decode"`` (one new token), or ``"idle"``
-            (empty, or held but not computed this step, e.g. a finished row under the static policy).
-        num_scheduled_tokens: tokens computed for this request in this step (tokens).
-        num_computed_tokens: tokens in the KV cache for this request after the step (tokens).
-        num_prompt_tokens: the request's prompt length (tokens): while ``num_computed_tokens`` is
-            below it, the request is prefilling ("n of m prompt tokens").
-        num_cached_tokens: tokens the request found in the prefix cache when it took its slot (its
-            latest admission), counted in ``num_computed_tokens`` without being computed (tokens).
-    """
-
-    batch_slot: int
-    request_id: str | None
-    phase: str
-    num_scheduled_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class StepSnapshot:
-    """The engine's state after one step.
-
-    Attributes:
-        step: engine step number (starts at 1).
-        time: ``time.monotonic()`` at the end of the step (seconds).
-        duration: wall time of the step (seconds); ``forward_time`` of it went to the model forward.
-        batch_slots: one :class:`BatchSlotSnapshot` per batch slot, length ``max_num_seqs``.
-        block_tables: request id -> physical block ids it holds, for every running request.
-        block_refcount: per physical block, the number of block tables holding it (length num_blocks).
-        block_tokens: per physical block, tokens filled in it (0..block_size).
-        block_reuses: per physical block, how many times it was handed to a request other than its
-            previous owner.
-        cached_blocks: ids of blocks that are free but still hold a findable prefix (prefix caching).
-        num_running / num_waiting: request counts after the step.
-        num_scheduled_tokens: tokens computed in this step (tokens).
-        num_generated_tokens: tokens sampled in this step (tokens).
-        num_preemptions: total preemptions so far.
-        finished: ids of requests that finished in this step.
-        admitted: ids of requests that took a slot in this step.
-        prefix_cache_queries: prompt tokens looked up in the prefix cache so far (tokens).
-        prefix_cache_hits: of those, tokens found cached and not recomputed (tokens).
-        cache_hit_blocks: ids of held blocks that a request got from the prefix cache.
-        waiting: ids of the waiting requests, in queue order (the first is admitted next).
-        block_takes: the blocks requests took in this step, in order: one ``engine.kv_cache.BlockTake``
-            each (block id, request, kind: new / reused / cached / shared / own, previous owner, the step it
-            was freed in).
-        block_origins: held block id -> the ``BlockTake`` by which its (first) holder got it, so a block
-            taken earlier still says whose it was.
-        kv_events: the KV events of this step, in order (:mod:`engine.kv_events`; the panels and remote
-            readers follow the cache by them).
-        request_fill: request id -> ``(num_computed_tokens, num_hit_blocks)`` of each running request.
-        used_blocks: blocks held (None: counted from ``block_refcount``).
-        pool_blocks: blocks in the pool (None: ``len(block_refcount)``).
-        kv_history: the telemetry's :class:`engine.kv_events.KVHistory`, which rebuilds the per-block fields
-            given as None (``block_refcount`` to ``block_origins``; pools above ``Telemetry.eager_block_limit``).
-    """
-
-    step: int
-    time: float
-    duration: float
-    forward_time: float
-    batch_slots: tuple[BatchSlotSnapshot, ...]
-    block_tables: dict[str, tuple[int, ...]]
-    block_refcount: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
-    block_tokens: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
-    block_reuses: tuple[int, ...] = _PerBlock()  # type: ignore[assignment]
-    cached_blocks: frozenset[int] = _PerBlock()  # type: ignore[assignment]
-    # required at run time (the four above are too: their descriptor has no default); mypy sees a default
-    num_running: int  # type: ignore[misc]
-    num_waiting: int  # type: ignore[misc]
-    num_scheduled_tokens: int  # type: ignore[misc]
-    num_generated_tokens: int  # type: ignore[misc]
-    num_preemptions: int  # type: ignore[misc]
-    finished: tuple[str, ...] = ()
-    admitted: tuple[str, ...] = ()
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    cache_hit_blocks: frozenset[int] = _PerBlock(frozenset())  # type: ignore[assignment]
-    waiting: tuple[str, ...] = ()
-    block_takes: tuple = ()
-    block_origins: Mapping[int, Any] = _PerBlock(_EMPTY)  # type: ignore[assignment]
-    kv_events: tuple = ()
-    request_fill: Mapping[str, tuple[int, int]] = _EMPTY
-    used_blocks: int | None = None
-    pool_blocks: int | None = None
-    kv_history: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool_blocks if self.pool_blocks is not None else len(self.block_refcount)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.used_blocks if self.used_blocks is not None else sum(1 for r in self.block_refcount if r > 0)
-
-    def block_arrays(self) -> BlockArrays:
-        """The per-block state as numpy arrays (:class:`engine.kv_events.BlockArrays`, length num_blocks):
-        from the stored fields, or rebuilt from the KV events (then cached by the history).
-
-        Raises:
-            LookupError: rebuilt, and the step has left the telemetry ring.
-        """
-        d = self.__dict__
-        if d["_block_refcount"] is None:
-            if self.kv_history is None:
-                raise ValueError("a snapshot without per-block fields needs its telemetry's kv_history")
-            return self.kv_history.arrays(self)
-        n = len(d["_block_refcount"])
-        cached, hit = np.zeros(n, bool), np.zeros(n, bool)
-        cached[list(d["_cached_blocks"] or ())] = True
-        hit[list(d["_cache_hit_blocks"] or ())] = True
-        owner, ids = owner_array(n, self.block_tables)
-        return BlockArrays(np.asarray(d["_block_refcount"], np.int32), np.asarray(d["_block_tokens"], np.int32),
-                           np.asarray(d["_block_reuses"], np.uint32), cached, hit, owner, ids,
-                           d["_block_origins"] or {})
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of blocks held by running requests (0..1)."""
-        return self.num_used_blocks / max(1, self.num_blocks)
-
-    def request_state(self, request_id: str) -> dict | None:
-        """Where a request stands after this step, for a chat that waits for its first token.
-
-        Returns:
-            ``{"state": "queued", "position": k}`` (k-th in the waiting queue, from 1),
-            ``{"state": "prefilling", "computed": n, "prompt": m}`` (n of its m prompt tokens in the
-            cache), ``{"state": "decoding"}``, ``{"state": "finished"}`` (it ended in this step), or
-            None when the request is not in this step (unknown, or ended earlier).
-        """
-        if request_id in self.finished:
-            return {"state": "finished"}
-        if request_id in self.waiting:
-            return {"state": "queued", "position": self.waiting.index(request_id) + 1}
-        for s in self.batch_slots:
-            if s.request_id == request_id:
-                if s.num_computed_tokens < s.num_prompt_tokens:
-                    return {"state": "prefilling", "computed": s.num_computed_tokens, "prompt": s.num_prompt_tokens}
-                return {"state": "decoding"}
-        return None
-
-    def block_owners(self) -> list[list[str]]:
-        """Per physical block, the ids of the requests whose block tables hold it."""
-        owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
-        for rid, blocks in self.block_tables.items():
-            for b in blocks:
-                owners[b].append(rid)
-        return owners
 
 
 @dataclass
@@ -254,6 +60,21 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: str | None
+
+
+def finished_stats(r, now: float, held: Callable[..., float]) -> FinishedRequestStats:
+    """The latency record of finished sequence ``r`` (an :class:`engine.request.Request`) at ``now``
+    (``time.monotonic()``); the time the engine was held by a pause (``held(start, end, now)``, seconds) is
+    left out of TTFT, TPOT and e2e: it measures the presenter, not the engine."""
+    end = r.finish_time or now
+    ttft, tpot = r.ttft, r.tpot
+    first, last = r.first_token_time, r.finish_time  # set whenever ttft / tpot are
+    if ttft is not None and first is not None:
+        ttft = max(0.0, ttft - held(r.arrival_time, first, now))
+    if tpot is not None and first is not None and last is not None:
+        tpot = max(0.0, tpot - held(first, last, now) / (len(r.output_token_ids) - 1))
+    return FinishedRequestStats(r.request_id, ttft, tpot, max(0.0, end - r.arrival_time - held(r.arrival_time, end, now)),
+                                r.num_prompt_tokens, len(r.output_token_ids), r.status.finish_reason)
 
 
 def percentile(values, q: float) -> float | None:
@@ -274,13 +95,10 @@ class Telemetry:
     Args:
         capacity: number of most recent steps kept.
         max_finished: number of most recent finished-request records kept.
-        eager_block_limit: pools up to this many blocks keep their per-block tuples in every snapshot;
-            larger ones keep only the KV events, and :attr:`kv_history` rebuilds a kept step's blocks.
     """
 
     capacity: int = 512
     max_finished: int = 2048
-    eager_block_limit: int = EAGER_BLOCK_LIMIT
     _steps: collections.deque = field(init=False)
     _finished: collections.deque = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -296,15 +114,50 @@ class Telemetry:
     # every step since the start by its scheduled tokens (tokens -> steps): vLLM's iteration_tokens histogram
     step_tokens: collections.Counter = field(init=False, default_factory=collections.Counter)
     _finish_listeners: list = field(init=False, default_factory=list)
+    _provenance: Provenance = field(init=False, default_factory=Provenance)  # whose each block was (engine thread)
+    _tables: BlockTables = field(init=False, default_factory=BlockTables)
+    _pending: tuple = field(init=False, default=())  # KV events before the first snapshot (none to amend yet)
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.capacity)
         self._finished = collections.deque(maxlen=self.max_finished)
         self.kv_history = KVHistory(self._steps, self._lock)
 
-    def keeps_block_tuples(self, num_blocks: int) -> bool:
-        """Whether snapshots of a pool of ``num_blocks`` blocks carry their per-block tuples."""
-        return num_blocks <= self.eager_block_limit
+    def observe(self, view: StepView) -> None:
+        """The engine's one call per step (stepping thread): a new snapshot of a scheduled step, or, between
+        steps (``view.scheduled`` None), the newest snapshot amended to the state now (its pool, block tables
+        and queue: the panels show freed blocks and queued requests at once); then the latency records of
+        the sequences that ended.
+
+        The block pool's events become the step's KV events first (:class:`engine.kv_provenance.Provenance`:
+        whose each block was, the step it was freed); if building or recording the snapshot then raises, they
+        reached no reader, and the next step's events start with a :class:`engine.kv_events.KVFrame`.
+
+        Raises:
+            Exception: what building or recording the snapshot raised (the caller decides whether an
+                observer's fault matters: a step's outputs are delivered all the same).
+        """
+        now = time.monotonic()
+        events = self._provenance.stamp(view.kv_events, view.step)
+        try:
+            tables = self._tables(view.running, events)
+            last = self.latest()
+            if view.scheduled is not None:
+                events, self._pending = self._pending + events, ()
+                self.record(StepSnapshot(**step_fields(view, now, events),
+                                         **state_fields(view, tables, events, self.kv_history)))
+            elif last is None:  # before the first step: only the queue; the events wait for the first snapshot
+                self._pending += events
+                self.set_queue(view.waiting)
+            else:
+                self.amend_latest(dataclasses.replace(
+                    last, **state_fields(view, tables, last.kv_events + events, self.kv_history)))
+        except Exception:
+            self._provenance.lost(view.step)
+            self._tables.clear()
+            raise
+        for r in view.finished:
+            self.record_finished(finished_stats(r, now, view.held_time))
 
     def kv_feed(self, since: tuple[int, int] | None = None) -> KVFeed:
         """The KV events for a reader that follows the cache from elsewhere (another process, the remote

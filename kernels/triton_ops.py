@@ -251,17 +251,10 @@ def paged_attention(
     Returns:
         ``out`` (allocated if not given), ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    _, num_kv_heads, block_size, kd = key_cache.shape
-    assert kd == head_dim and value_cache.shape == key_cache.shape, (query.shape, key_cache.shape)
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert key_cache.dtype == value_cache.dtype == query.dtype, (query.dtype, key_cache.dtype)
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "cache needs a contiguous last dim"
-    num_seqs = seq_lens.shape[0]
-    assert query_start_loc.shape[0] == num_seqs + 1
+    num_seqs = _check_attention_inputs(query, key_cache, value_cache, seq_lens, query_start_loc)
     if out is None:
         out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
+    if query.shape[0] == 0 or num_seqs == 0:
         return out
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -270,46 +263,54 @@ def paged_attention(
     target = out
     if out.stride(-1) != 1:
         out = out.contiguous()  # a copy (rows this call does not write keep their values)
-
     plan = plan_attention(
         query, key_cache, block_tables, num_seqs, seq_lens_list, query_start_loc_list,
         num_splits=num_splits, block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
         batch_invariant=batch_invariant,
     )
-    num_splits, d_pad = plan["num_splits"], plan["d_pad"]
+    _launch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale, plan)
+    if target is not out:
+        target.copy_(out)
+        out = target
+    return out
 
+
+def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> int:
+    """The shapes, dtypes and strides :func:`paged_attention` needs (AssertionError otherwise); returns the
+    number of sequences."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, kd = key_cache.shape
+    assert kd == head_dim and value_cache.shape == key_cache.shape, (query.shape, key_cache.shape)
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert key_cache.dtype == value_cache.dtype == query.dtype, (query.dtype, key_cache.dtype)
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "cache needs a contiguous last dim"
+    num_seqs = seq_lens.shape[0]
+    assert query_start_loc.shape[0] == num_seqs + 1
+    return num_seqs
+
+
+def _launch_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      out: torch.Tensor, scale: float, plan: dict) -> None:
+    """Launch the attention kernel on ``plan`` (:func:`plan_attention`) into ``out`` (last dim contiguous), and,
+    with split-KV, the kernel that merges the splits' partial results (float32 buffers of this call)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    num_seqs, num_splits, d_pad = seq_lens.shape[0], plan["num_splits"], plan["d_pad"]
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32, device=query.device)
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-
     _unified_attention_kernel[(plan["num_q_tiles"], num_kv_heads, num_splits)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        float(scale) * LOG2E,
-        num_seqs,
-        num_heads,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+        float(scale) * LOG2E, num_seqs, num_heads,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
@@ -325,24 +326,12 @@ def paged_attention(
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            query_start_loc,
-            num_seqs,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
+            part_acc, part_m, part_l, out, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=num_splits,
             num_warps=4 if d_pad * num_splits >= 2048 else 2,
         )
-    if target is not out:
-        target.copy_(out)
-        out = target
-    return out
 
 
 def rms_norm_warps(block: int) -> int:

@@ -404,6 +404,15 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     if cors is not None and cors.origins:
         app.add_middleware(APICors, settings=cors)  # outermost: preflights, and the headers on every answer
     openapi_schema.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
+    _add_error_handlers(app, metrics)
+    _add_generation_routes(app, server, reader, metrics)
+    _add_state_routes(app, engine, server, metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: EngineMetrics) -> None:
+    """Every error as OpenAI's error body: ours (:class:`APIError`), FastAPI's validation and HTTP errors
+    (counted as rejected), and a client gone mid-request (no body)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -425,6 +434,11 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error" if exc.status_code < 500
                         else "server_error", headers=getattr(exc, "headers", None)).response()
 
+
+def _add_generation_routes(app: FastAPI, server: OpenAIServer, reader: BodyReader, metrics: EngineMetrics) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``: the body read and checked by ``reader``
+    (a body that fails is counted as rejected), then served by ``server``."""
+
     async def read(request: Request, model):
         try:
             return await reader.read(request, model)
@@ -441,6 +455,11 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     async def completions(request: Request):
         """OpenAI (legacy) text completions (streaming with ``stream: true``)."""
         return await server.completions(request, await read(request, CompletionRequest))
+
+
+def _add_state_routes(app: FastAPI, engine: AsyncEngine, server: OpenAIServer, metrics: EngineMetrics) -> None:
+    """``/v1/models`` (and one model), ``/health`` and ``/metrics`` (GET and HEAD)."""
+    model_name = server.model_name
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"], response_model=openapi_schema.ModelList)
     async def models():
@@ -472,5 +491,3 @@ def create_api(engine: AsyncEngine, model_name: str | None = None, *, rate_limit
     async def prometheus_metrics():
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -1,12 +1,59 @@
-"""Block provenance (whose a block was, the step it was freed) and the free-block order (LRU / MRU):
-exact block ids in the pool, and the hand-over "A finishes, D takes A's blocks" on a tiny engine."""
+"""Block provenance (whose a block was, the step it was freed: derived from the pool's events) and the
+free-block order (LRU / MRU): exact block ids in the pool, and the hand-over "A finishes, D takes A's blocks" on a tiny engine."""
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.kv_cache import TAKE_CACHED, TAKE_NEW, TAKE_OWN, TAKE_REUSED, TAKE_SHARED, BlockPool
+from engine.kv_cache import BlockPool
+from engine.kv_events import TAKE_CACHED, TAKE_NEW, TAKE_OWN, TAKE_REUSED, TAKE_SHARED, BlockFreed, BlockTake
+from engine.kv_provenance import Provenance
 from engine.request import SamplingParams
+
+
+def takes(pool: BlockPool, prov: Provenance, step: int) -> list[BlockTake]:
+    """The takes among the pool's events since the last call, as the telemetry stamps them in ``step``."""
+    return [e for e in prov.stamp(pool.pop_events(), step) if type(e) is BlockTake]
+
+
+def test_the_pool_says_what_it_did_and_the_provenance_whose_each_block_was():
+    pool, prov = BlockPool(3, "mru"), Provenance()
+    pool.allocate(2, "a")
+    raw = pool.pop_events()
+    assert [type(e).__name__ for e in raw] == ["KVFrame", "BlockAllocated", "BlockAllocated"]  # no step, no owner
+    first = [e for e in prov.stamp(raw, 1) if type(e) is BlockTake]
+    assert [(t.block_id, t.request_id, t.step, t.kind, t.previous_owner, t.freed_step) for t in first] == [
+        (0, "a", 1, TAKE_NEW, None, None), (1, "a", 1, TAKE_NEW, None, None)]
+    assert takes(pool, prov, 1) == []  # handed over once
+    pool.free([1, 0])
+    freed = prov.stamp(pool.pop_events(), 5)
+    assert [(type(e), e.block_id, e.request_id, e.step) for e in freed] == [(BlockFreed, 1, "a", 5), (BlockFreed, 0, "a", 5)]
+    assert prov.freed_step[:2] == [5, 5] and prov.state.origins == {}
+    pool.allocate(1, "d")  # MRU: block 0, freed last, by a at step 5
+    pool.allocate(1, "a")  # block 1 again for a: its own
+    got = takes(pool, prov, 6)
+    assert [(t.block_id, t.kind, t.previous_owner, t.freed_step) for t in got] == [
+        (0, TAKE_REUSED, "a", 5), (1, TAKE_OWN, "a", 5)]
+    assert prov.state.origins[0].request_id == "d" and prov.state.origins[0].previous_owner == "a"
+    assert list(prov.state.reuses) == [1, 0, 0]  # block 1 went back to its own holder: no reuse
+
+
+def test_prefix_hits_record_cached_and_shared_takes():
+    pool, prov = BlockPool(4), Provenance()
+    pool.allocate(1, "a")
+    takes(pool, prov, 1)
+    pool.touch([0], "b")  # b hits a's block while a holds it
+    (shared,) = takes(pool, prov, 2)
+    assert (shared.kind, shared.previous_owner, shared.freed_step) == (TAKE_SHARED, "a", None)
+    assert prov.state.origins[0].request_id == "a"  # a shared block keeps its first holder's origin
+    pool.free([0, 0])
+    prov.stamp(pool.pop_events(), 3)
+    pool.touch([0], "c")  # a cached-free block brought back by a prefix hit
+    (cached,) = takes(pool, prov, 4)
+    assert (cached.kind, cached.previous_owner, cached.freed_step) == (TAKE_CACHED, "a", 3)  # its first holder
+    assert prov.state.origins[0].request_id == "c"
+    pool.touch([0], None)  # a fork's siblings take no block of their own
+    assert takes(pool, prov, 5) == [] and prov.state.origins[0].request_id == "c"
 
 
 def test_lru_takes_the_least_recently_freed_and_mru_the_most_recently_freed():
@@ -18,47 +65,6 @@ def test_lru_takes_the_least_recently_freed_and_mru_the_most_recently_freed():
         assert pool.allocate(2, "d") == expected, order
     with pytest.raises(ValueError):
         BlockPool(4, "fifo")
-
-
-def test_each_take_records_the_previous_owner_and_the_step_it_was_freed():
-    pool = BlockPool(3, "mru")
-    pool.step = 1
-    pool.allocate(2, "a")
-    first = pool.take_events()
-    assert [(t.block_id, t.request_id, t.step, t.kind, t.previous_owner, t.freed_step) for t in first] == [
-        (0, "a", 1, TAKE_NEW, None, None), (1, "a", 1, TAKE_NEW, None, None)]
-    assert pool.take_events() == ()  # handed over once
-    pool.step = 5
-    pool.free([1, 0])
-    assert pool.freed_step[:2] == [5, 5] and pool.origins == {}
-    pool.step = 6
-    pool.allocate(1, "d")  # MRU: block 0, freed last, by a at step 5
-    pool.allocate(1, "a")  # block 1 again for a: its own
-    takes = pool.take_events()
-    assert [(t.block_id, t.kind, t.previous_owner, t.freed_step) for t in takes] == [
-        (0, TAKE_REUSED, "a", 5), (1, TAKE_OWN, "a", 5)]
-    assert pool.origins[0].request_id == "d" and pool.origins[0].previous_owner == "a"
-
-
-def test_prefix_hits_record_cached_and_shared_takes_and_the_origins_copy_is_stable():
-    pool = BlockPool(4)
-    pool.step = 1
-    pool.allocate(1, "a")
-    pool.take_events()
-    before = pool.origins_snapshot()
-    assert pool.origins_snapshot() is before  # nothing changed: no copy
-    pool.touch([0], "b")  # b hits a's block while a holds it
-    (shared,) = pool.take_events()
-    assert (shared.kind, shared.previous_owner, shared.freed_step) == (TAKE_SHARED, "a", None)
-    assert pool.origins[0].request_id == "a"  # a shared block keeps its first holder's origin
-    pool.step = 3
-    pool.free([0, 0])
-    pool.step = 4
-    pool.touch([0], "c")  # a cached-free block brought back by a prefix hit
-    (cached,) = pool.take_events()
-    assert (cached.kind, cached.previous_owner, cached.freed_step) == (TAKE_CACHED, "a", 3)  # its first holder
-    assert pool.origins_snapshot()[0].request_id == "c"
-    assert before[0].request_id == "a"  # an earlier copy is never changed
 
 
 def _engine(tiny_model, tokenizer, order):

@@ -3,7 +3,7 @@ above, with ownership, reuse, sharing, prefix hits and takes kept per tile and t
 
 import json
 
-from engine.kv_cache import BlockTake
+from engine.kv_events import BlockTake
 from engine.telemetry import StepSnapshot
 from ui import block_tiles as T
 from ui import figures as F
@@ -90,7 +90,6 @@ def test_look_back_at_the_oldest_step_survives_a_step_recorded_while_drawing(mon
 
     nb = 600
     tel = Telemetry(capacity=8)
-    assert not tel.keeps_block_tuples(nb)
 
     def record(s):
         ev = ((KVFrame(0, nb, 16),) if s == 1 else ()) + (BlockTake(s, f"r{s}", s, "new"),)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from engine.model_runner import AttentionMetadata
+from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForward
 
 pytestmark = pytest.mark.skipif(not kernels.cpp_available(), reason="needs the C++ CPU kernels")

@@ -3,6 +3,7 @@
 import pytest
 
 from engine.kv_cache import BlockPool, KVCacheManager, hash_block
+from engine.kv_provenance import Provenance
 from engine.request import Request, SamplingParams
 
 
@@ -22,13 +23,16 @@ def test_pool_allocates_lowest_ids_first_and_frees_to_tail():
 
 
 def test_reuse_counter_counts_new_owners_only():
-    pool = BlockPool(2)
+    """Reuses are counted from the pool's events (the telemetry's provenance), not by the pool."""
+    pool, prov = BlockPool(2), Provenance()
     a = pool.allocate(2, "a")
     pool.free(a)
     pool.allocate(1, "a")  # same owner again: not a reuse
-    assert pool.reuses == [0, 0]
+    prov.stamp(pool.pop_events(), 1)
+    assert list(prov.state.reuses) == [0, 0]
     pool.allocate(1, "b")  # block 1 goes from a to b
-    assert pool.reuses == [0, 1]
+    prov.stamp(pool.pop_events(), 2)
+    assert list(prov.state.reuses) == [0, 1]
 
 
 def test_allocate_on_demand_one_block_at_a_time():

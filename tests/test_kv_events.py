@@ -22,6 +22,7 @@ from engine.kv_events import (
     block_arrays,
     to_vllm_events,
 )
+from engine.kv_provenance import Provenance
 from engine.request import SamplingParams
 from engine.telemetry import Telemetry
 
@@ -29,15 +30,26 @@ PER_BLOCK = ("block_refcount", "block_tokens", "block_reuses", "cached_blocks", 
 
 
 def truth(core: EngineCore) -> dict:
-    """The per-block fields of the pool now, from a full snapshot."""
-    kv = core.kv.snapshot(core.scheduler.running, per_block=True)
-    return {f: getattr(kv, f) for f in PER_BLOCK} | {"block_tables": kv.block_tables}
+    """The per-block fields now, counted from the pool and the running requests' block tables (refcounts, fill,
+    cached, prefix hits) and from the telemetry's provenance (reuses, origins: no engine structure keeps them)."""
+    pool, bs, running = core.kv.pool, core.kv.block_size, core.scheduler.running
+    tokens, hit = [0] * pool.num_blocks, set()
+    for r in running:
+        hit.update(r.block_ids[: r.num_hit_blocks])
+        for j, b in enumerate(r.block_ids):
+            tokens[b] = max(tokens[b], min(bs, max(0, r.num_computed_tokens - j * bs)))
+    cached = pool.cached_free_blocks()
+    for b in cached:
+        tokens[b] = bs
+    state = core.telemetry._provenance.state
+    return {"block_refcount": tuple(pool.ref_cnt), "block_tokens": tuple(tokens), "block_reuses": tuple(state.reuses),
+            "cached_blocks": frozenset(cached), "cache_hit_blocks": frozenset(hit), "block_origins": dict(state.origins),
+            "block_tables": {r.request_id: tuple(r.block_ids) for r in running}}
 
 
 def lazy_core(tiny_model, tokenizer, **kw) -> EngineCore:
-    core = EngineCore(EngineConfig(**kw), model=tiny_model, tokenizer=tokenizer)
-    core.telemetry = Telemetry(capacity=core.config.telemetry_capacity, eager_block_limit=0)  # events only
-    return core
+    """An engine whose snapshots, like every engine's, store no per-block tuples: read, they are replayed."""
+    return EngineCore(EngineConfig(**kw), model=tiny_model, tokenizer=tokenizer)
 
 
 def busy_run(core: EngineCore, steps: int, seed: int = 0, prefix: str = "r") -> dict[int, dict]:
@@ -97,18 +109,6 @@ def test_a_step_that_left_the_ring_says_so(tiny_model, tokenizer):
         first.block_arrays()
 
 
-def test_eager_small_pool_snapshots_equal_the_replay(tiny_model, tokenizer):
-    """Small pools (talks) keep their tuples; the history replays to the same state at every step."""
-    core = EngineCore(EngineConfig(num_blocks=24, block_size=4, max_num_seqs=4, telemetry_capacity=32),
-                      model=tiny_model, tokenizer=tokenizer)
-    seen = busy_run(core, 90, seed=1)
-    for snap in core.telemetry.snapshots():
-        assert snap.__dict__["_block_refcount"] is not None
-        assert_same(snap, seen[snap.step])
-        replayed = core.telemetry.kv_history.arrays(snap).as_fields
-        assert {f: replayed[f] for f in PER_BLOCK} == {f: getattr(snap, f) for f in PER_BLOCK}, snap.step
-
-
 def test_amended_step_and_a_lost_record_stay_exact(tiny_model, tokenizer, monkeypatch):
     core = lazy_core(tiny_model, tokenizer, num_blocks=24, block_size=4, max_num_seqs=4)
     for rid in "ab":
@@ -151,26 +151,28 @@ def test_a_remote_reader_follows_the_cache_from_a_frame(tiny_model, tokenizer):
 
 
 def test_pool_events_in_order_and_their_vllm_shape():
-    pool = BlockPool(3, "lru", block_size=2)
-    assert pool.pop_events() == (KVFrame(0, 3, 2),)
-    pool.step = 1
+    pool, prov = BlockPool(3, "lru", block_size=2), Provenance()
+    first = pool.pop_events()
+    assert first == (KVFrame(0, 3, 2),)
+    prov.stamp(first, 0)
     a = pool.allocate(2, "a")
     pool.cache(a[0], b"h0", None, (1, 2))
     pool.cache(a[1], b"h1", b"h0", (3, 4))
     pool.touch([a[0]], "b")
     pool.free([a[1], a[0], a[0]])
-    pool.step = 2
+    events = prov.stamp(pool.pop_events(), 1)
     pool.allocate(3, "c")  # takes block 2 (new), then evicts 1 and 0 (LRU)
-    events = pool.pop_events()
+    events += prov.stamp(pool.pop_events(), 2)
     kinds = [type(e).__name__ + (f":{e.kind}" if type(e) is BlockTake else "") for e in events]
     assert kinds == ["BlockTake:new", "BlockTake:new", "BlockStored", "BlockStored", "BlockTake:shared", "BlockFreed",
                      "BlockFreed", "BlockTake:new", "BlockEvicted", "BlockTake:reused", "BlockEvicted",
                      "BlockTake:reused"]
-    assert [e.block_id for e in events if type(e) is BlockFreed] == [1, 0]
+    assert [(e.block_id, e.request_id, e.step) for e in events if type(e) is BlockFreed] == [(1, "a", 1), (0, "a", 1)]
     state = BlockState()
     state.apply((KVFrame(0, 3, 2),) + events)
     assert list(state.reuses) == [1, 1, 0] and not any(state.hashed) and set(state.origins) == {0, 1, 2}
     assert all(state.origins[b].kind != TAKE_SHARED for b in state.origins)
+    assert (list(state.reuses), state.origins) == (list(prov.state.reuses), prov.state.origins)
     vllm = to_vllm_events((KVFrame(0, 3, 2),) + events, block_size=2)
     assert vllm == [
         {"type": "AllBlocksCleared"},
@@ -181,7 +183,7 @@ def test_pool_events_in_order_and_their_vllm_shape():
     pool.free([0, 1, 2])
     pool.cache(0, b"x")
     pool.reset_prefix_cache()
-    cleared = [e for e in pool.pop_events() if type(e) is PrefixCacheCleared]
+    cleared = [e for e in prov.stamp(pool.pop_events(), 3) if type(e) is PrefixCacheCleared]
     assert cleared == [PrefixCacheCleared((0,), (b"x",))]
     assert to_vllm_events(cleared, 2) == [{"type": "BlockRemoved", "block_hashes": [b"x"]}]
     assert dataclasses.is_dataclass(BlockEvicted)
@@ -191,7 +193,7 @@ def test_reading_the_kept_steps_forward_replays_each_step_once(monkeypatch):
     """Reading every kept step in order (a bench's read-back) continues from the last step replayed
     instead of replaying the ring from its start each time."""
     from engine.kv_events import BlockState, BlockTake, KVFrame
-    from engine.telemetry import BatchSlotSnapshot, StepSnapshot, Telemetry
+    from engine.telemetry import BatchSlotSnapshot, StepSnapshot
 
     nb, tel = 600, Telemetry(capacity=64)
     for s in range(1, 61):

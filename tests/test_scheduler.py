@@ -26,7 +26,7 @@ def step(s):
     out = s.schedule()
     out.slots = {r.request_id: r.batch_slot for r, _ in out.scheduled}
     sampled = {r.request_id: 0 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    s.update_from_output(out, sampled)
+    s.apply_stops(*s.update_from_output(out, sampled))  # token-level stops only: no text step here
     return out
 
 

@@ -355,6 +355,7 @@ def test_scheduler_snapshot_reports_the_prompt_tokens_found_in_the_prefix_cache(
     from engine.kv_cache import KVCacheManager
     from engine.request import Request, SamplingParams
     from engine.scheduler import Scheduler
+    from engine.step_snapshot import batch_slots_of
 
     cfg = EngineConfig(max_num_seqs=2, num_blocks=32, block_size=4, max_num_batched_tokens=64,
                        enable_prefix_caching=True)
@@ -363,8 +364,8 @@ def test_scheduler_snapshot_reports_the_prompt_tokens_found_in_the_prefix_cache(
     def run(rid):
         sched.add_request(Request(rid, list(range(1, 12)), SamplingParams(max_tokens=1)))  # 11 prompt tokens
         out = sched.schedule()
-        slots = sched.batch_slot_snapshot(out)
-        sched.update_from_output(out, {r.request_id: 0 for r, _ in out.scheduled})
+        slots = batch_slots_of(out)
+        sched.apply_stops(*sched.update_from_output(out, {r.request_id: 0 for r, _ in out.scheduled}))
         return next(s for s in slots if s.request_id == rid)
 
     first, second = run("a"), run("b")

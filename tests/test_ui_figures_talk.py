@@ -12,7 +12,7 @@ from ui import figures as F
 
 # --------------------------------------------------------------------------- block provenance
 def test_block_map_marks_blocks_taken_this_step_and_hover_says_whose_they_were():
-    from engine.kv_cache import BlockTake
+    from engine.kv_events import BlockTake
     from ui.i18n import figure_labels
 
     d_takes = (BlockTake(2, "C", 3, "reused", "B", 2), BlockTake(3, "C", 3, "new"))

@@ -32,30 +32,12 @@ import kernels
 from kernels import cpu_ops, envs
 from kernels.cpu_linear import BATCH_INVARIANT_ROWS, Linear
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
 
 
 def _text_config(model):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def unsupported_reason(model) -> str | None:
-    """Why :class:`LlamaForward` cannot run ``model`` (a short phrase), or None when it can."""
-    name = type(model).__name__
-    if name not in ARCHITECTURES:
-        return f"architecture {name} is not one the engine owns ({', '.join(ARCHITECTURES)})"
-    cfg = _text_config(model)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r}"
-    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default")
-    if rope not in STATIC_ROPE_TYPES:
-        return f"RoPE type {rope!r} depends on the sequence length"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
-        return "unexpected module layout"
-    return None
 
 
 def _cat_bias(*mods) -> torch.Tensor | None:
@@ -144,8 +126,22 @@ class LlamaForward:
         ValueError: when the architecture is not supported (the reason in the message).
     """
 
+    @staticmethod
+    def unsupported_reason(model) -> str | None:
+        """Why this forward cannot run ``model`` (a registered architecture; a short phrase), or None when it can."""
+        cfg = _text_config(model)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"activation {cfg.hidden_act!r}"
+        rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default")
+        if rope not in STATIC_ROPE_TYPES:
+            return f"RoPE type {rope!r} depends on the sequence length"
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+            return "unexpected module layout"
+        return None
+
     def __init__(self, model, batch_invariant: bool = False) -> None:
-        reason = unsupported_reason(model)
+        reason = self.unsupported_reason(model)
         if reason:
             raise ValueError(f"LlamaForward: {reason}")
         cfg = _text_config(model)
@@ -256,7 +252,7 @@ class LlamaForward:
         Args:
             input_ids: ``[T]`` int64 token ids of the packed batch.
             positions: ``[T]`` int64 positions.
-            meta: the step's :class:`engine.model_runner.AttentionMetadata`.
+            meta: the step's :class:`engine.attention.AttentionMetadata`.
             logits_rows: ``[S]`` int64 rows whose next token is sampled.
 
         Returns:

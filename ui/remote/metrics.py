@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -341,8 +341,3 @@ class MetricsScraper:
     def close(self) -> None:
         """Close the HTTP client."""
         self._client.close()
-
-
-def all_engines(results: Iterable[ScrapeResult]) -> list[EngineCounters]:
-    """The engines of ``results``, in order."""
-    return [e for r in results for e in r.engines]
