@@ -119,37 +119,6 @@ def parse_list(text: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-@dataclass(frozen=True)
-class HTTPLimits:
-    """Limits on what a client sends (defaults: the options above, where they are explained; enforced by
-    :mod:`server.http_edge`).
-
-    Attributes:
-        max_header_bytes: most bytes of a request head (request line and header fields) -> 431.
-        max_header_fields: most header fields of a request -> 431.
-        max_url_bytes: most bytes of a request target (path and query) -> 414.
-        timeout_request_head: seconds a request head may take to arrive -> 408.
-        timeout_request_body: seconds a request body may take to arrive once its head has -> 408.
-        timeout_keep_alive: seconds an idle kept-alive connection stays open (uvicorn's).
-    """
-
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    max_header_fields: int = DEFAULT_MAX_HEADER_FIELDS
-    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
-    timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD
-    timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY
-    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
-
-    def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_header_fields", "max_url_bytes", "timeout_keep_alive"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout_request_head", "timeout_request_body"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-
 def cors_settings(args: argparse.Namespace) -> CORSSettings:
     """The CORS policy of the parsed options (see :class:`CORSSettings`).
 
