@@ -33,17 +33,19 @@ W64 = "bench/w64.json"
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def random_model(device: str, dtype: torch.dtype, tiny: bool = False, seed: int = 0):
-    """SmolLM2-135M (or a 2-layer toy) from its config with random weights, on ``device`` in ``dtype``."""
+    """SmolLM2-135M (or the engine's 2-layer toy, :func:`engine.tiny_random_llama`) from its config with random
+    weights, on ``device`` in ``dtype``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine import tiny_random_llama
+
+    if tiny:
+        return tiny_random_llama(SMOLLM2_135M["vocab_size"], seed=seed, max_positions=2048, dtype=dtype, device=device)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**(TINY if tiny else SMOLLM2_135M))
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
 
 
 def synthetic_tokenizer(vocab_size: int):

@@ -1,6 +1,6 @@
-"""What hostile visitors cost the server (``python -m bench.hostile``): figures for the README's *Errors and limits*.
+"""What hostile visitors cost the server (``python -m bench.hostile``): the figures of docs/performance.md.
 
-Starts the API in a separate process (``tests/_fuzz_server.py``: a tiny random model behind
+Starts the API in a separate process (:mod:`bench.tiny_server`: a tiny random model behind
 ``server.build_server`` and ``server.serve``, the playground's uvicorn protocol and HTTP limits; ``--url``: a
 server already running instead), then, on loopback only:
 
@@ -76,18 +76,8 @@ def cpu_name() -> str:
 def start_server(port: int, protocol: str = "edge") -> subprocess.Popen:
     """The tiny API on ``port`` (``protocol``: ``edge`` = as served; for ``--parsers`` also ``httptools``, ``h11``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    code = ("import os, sys, uvicorn\n"
-            "from tests import _fuzz_server as f\n"
-            "p = sys.argv[2]\n"
-            "if p != 'edge':\n"
-            "    import server.serving as a\n"
-            "    def cfg(app, host, port, log_level, limits=None, timeout_graceful_shutdown=5):\n"
-            "        extra = {'h11_max_incomplete_event_size': 64 * 1024} if p == 'h11' else {}\n"
-            "        return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=p, **extra)\n"
-            "    a.uvicorn_config = cfg\n"
-            "f.main(int(sys.argv[1]))\n")
-    return subprocess.Popen([sys.executable, "-c", code, str(port), protocol], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "bench.tiny_server", str(port), "--protocol", protocol], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def wait_ready(url: str, timeout: float = 300) -> None:

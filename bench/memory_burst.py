@@ -263,9 +263,7 @@ def measure(pid: int, base_url: str, *, bad: int, good: int, limit: int, concurr
 def serve_tiny(port: int, limit: int) -> None:
     """The API alone (no page) on a random-weight 2-layer Llama with the default tokenizer, on
     127.0.0.1:``port``; runs until interrupted. Starts in seconds: for quick runs and the memory test."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from engine import tiny_random_llama
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from engine.core import EngineCore
@@ -273,10 +271,7 @@ def serve_tiny(port: int, limit: int) -> None:
     from server import create_api, serve
 
     tokenizer = load_tokenizer(None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=1024, tie_word_embeddings=True)).eval()
+    model = tiny_random_llama(len(tokenizer))
     engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
                                                  max_num_batched_tokens=512), model=model, tokenizer=tokenizer))
     serve(create_api(engine, "tiny-test", max_body_bytes=limit), host=HOST, port=port, log_level="warning")

@@ -396,14 +396,11 @@ def build_engine(args):
     kw = dict(TALK_PRESET if args.talk else PLAYGROUND_DEFAULTS)
     if not args.tiny:
         return AsyncEngine.from_args(**kw)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from engine import tiny_random_llama
     from engine.model_loader import load_tokenizer
 
     tok = load_tokenizer(None)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True)).eval()
+    model = tiny_random_llama(len(tok), max_positions=2048)
     return AsyncEngine.from_args(model=model, tokenizer=tok, **kw)
 
 

@@ -57,13 +57,9 @@ def deep_size(obj, seen: set[int] | None = None) -> int:
 
 
 def tiny_model(vocab_size: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine import tiny_random_llama
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_random_llama(vocab_size)
 
 
 def run(model, tokenizer, num_blocks: int, steps: int = 512, warmup: int = 40) -> dict:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time each is im
     from engine.kv_events import KVFeed, to_vllm_events
     from engine.kv_wire import ENCODINGS, WireBatch, decode_batch, encode_batch
     from engine.llm import LLM
+    from engine.model_loader import tiny_random_llama
     from engine.options import TALK_PRESET, Option, add_options
     from engine.prompts import synthetic_chat
     from engine.request import (
@@ -97,13 +98,15 @@ _EXPORTS = {
     "add_options": "engine.options",
     "TALK_PRESET": "engine.options",
     "synthetic_chat": "engine.prompts",
+    "tiny_random_llama": "engine.model_loader",
 }
 __all__ = ["LLM", "AsyncEngine", "EngineOverloadedError", "EngineConfig", "EngineCore", "EngineStats",
            "SamplingParams", "RequestOutput", "CompletionOutput", "RequestState", "ChatPrompt", "TextPrompt",
            "MAX_LOGPROBS", "MAX_N", "MAX_STOP_STRINGS", "SEED_MIN", "SEED_MAX", "RequestError", "PROMPT",
            "Telemetry", "StepSnapshot", "FinishedRequestStats", "PHASE_IDLE", "PHASE_PREFILL", "PHASE_DECODE",
            "NextHandover", "NextBlockReuse", "KVFeed", "to_vllm_events", "WireBatch", "encode_batch",
-           "decode_batch", "ENCODINGS", "Option", "add_options", "TALK_PRESET", "synthetic_chat"]
+           "decode_batch", "ENCODINGS", "Option", "add_options", "TALK_PRESET", "synthetic_chat",
+           "tiny_random_llama"]
 assert sorted(__all__) == sorted(_EXPORTS)  # one list of names, checked against the lazy-import table
 
 

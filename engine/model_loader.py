@@ -255,3 +255,24 @@ def eos_token_ids(tokenizer, model) -> frozenset[int]:
     if eos is not None:
         ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     return frozenset(ids)
+
+
+def tiny_random_llama(vocab_size: int, *, seed: int = 0, max_positions: int = 1024, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu"):
+    """A random-weight Llama small enough to run in milliseconds a step: 2 layers, hidden 64, MLP 128, 4 query
+    and 2 KV heads (GQA 2), tied embeddings, ``vocab_size`` tokens, ``max_positions`` positions; weights drawn
+    from ``seed`` without touching the global RNG (the same weights for the same seed), in eval mode on
+    ``device`` in ``dtype``.
+
+    The Compare tab, the tests and the benchmarks' quick modes run on it: what the scheduler and the KV cache do
+    depends on token counts, not on the weights. Returns a ``transformers.LlamaForCausalLM``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+    return model.to(device=device, dtype=dtype)

@@ -25,16 +25,10 @@ def tokenizer():
 
 
 def make_tiny_model(vocab_size: int, seed: int = 0):
-    """A random-weight Llama small enough for fast engine tests (float32, CPU): 2 layers, hidden 64,
-    4 heads, 2 KV heads (GQA 2)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The engine's tiny random-weight Llama (float32, CPU; :func:`engine.tiny_random_llama`)."""
+    from engine import tiny_random_llama
 
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_random_llama(vocab_size, seed=seed)
 
 
 def word_tokenizer(vocab_size: int):

@@ -1,6 +1,6 @@
 """Schema-driven fuzzing of the API with Schemathesis (a well-kept library: we write no fuzzer of our own).
 
-A real server process (``tests/_fuzz_server.py``: a tiny random model behind :func:`server.build_server` and
+A real server process (:mod:`bench.tiny_server`: a tiny random model behind :func:`server.build_server` and
 :func:`server.serve`, the playground's uvicorn protocol and HTTP limits) on a free port; Schemathesis reads its
 ``/openapi.json`` and sends every operation examples, boundary values and random bodies, valid and not
 (a bounded number per operation, fixed seed: about half a minute). Every answer must be no 5xx, documented
@@ -34,7 +34,7 @@ def _free_port() -> int:
 def server_url():
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests._fuzz_server", str(port)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "bench.tiny_server", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # the tokenizer (and, on a fresh checkout, the C++ kernels' build) first

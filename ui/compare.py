@@ -28,7 +28,7 @@ from typing import Any
 
 import gradio as gr
 
-from engine import PHASE_IDLE, EngineConfig, EngineCore, SamplingParams, StepSnapshot
+from engine import PHASE_IDLE, EngineConfig, EngineCore, SamplingParams, StepSnapshot, tiny_random_llama
 from ui import figures, i18n
 from ui.invariance import build_invariance_section
 from ui.model_source import ModelSource, model_of
@@ -132,20 +132,12 @@ def schedule_model(model, tokenizer):
     and dtype, built once per tokenizer, device and dtype (seeded: the same weights every time). The Compare
     tab runs on it: the steps and slots of its greedy, fixed-length requests depend only on their token
     counts, which the tokenizer gives, not on the weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     param = next(model.parameters())
     key = (id(tokenizer), str(param.device), param.dtype)
     with _SCHEDULE_LOCK:
         if key not in _SCHEDULE_MODELS:
-            cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                              tie_word_embeddings=True)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                tiny = LlamaForCausalLM(cfg).eval()
-            _SCHEDULE_MODELS[key] = tiny.to(device=param.device, dtype=param.dtype)
+            _SCHEDULE_MODELS[key] = tiny_random_llama(len(tokenizer), max_positions=2048, dtype=param.dtype,
+                                                      device=param.device)
         return _SCHEDULE_MODELS[key]
 
 
