@@ -12,35 +12,28 @@ from MKL's), so float32 stays on ``F.linear``; float16 packing needs AVX512-FP16
 
 On CPUs whose bfloat16 matmul does not outrun float32 (:func:`bf16_matmul_outruns_f32` is False: Intel
 CPUs with AVX512-BF16 but no AMX, and CPUs without native bfloat16), :class:`Linear` also keeps a float32
-copy of a bfloat16 weight and multiplies calls of at least :data:`F32_MIN_ROWS` rows in float32 (MKL):
-measured on a 2-core Xeon with AVX512-BF16 and no AMX, SmolLM2's 121 linears of a step took 1.10x (64
-rows) to 1.29x (128 rows) less time that way, while below 32 rows the packed bfloat16 call, which reads
-half the bytes, was up to 2x faster (docs/performance.md). A product of two bfloat16 values is exact in
-float32 and both GEMMs accumulate in float32, so the float32 call is the same arithmetic in another
-summation order; its output is rounded to bfloat16. The copy costs 4 bytes per parameter;
-``CBP_CPU_F32_LINEARS=0`` turns it off.
+copy of a bfloat16 weight and multiplies calls of at least :data:`F32_MIN_ROWS` rows in float32 (MKL), where
+that measured faster; below, the packed bfloat16 call, which reads half the bytes, is faster. A product of two
+bfloat16 values is exact in float32 and both GEMMs accumulate in float32, so the float32 call is the same
+arithmetic in another summation order; its output is rounded to bfloat16. The copy costs 4 bytes per
+parameter; ``CBP_CPU_F32_LINEARS=0`` turns it off.
 
 On those same CPUs, where the C++ extension has its AVX-512 GEMM (:func:`own_gemm_cpu`), a bfloat16
 :class:`Linear` uses the engine's own GEMM instead of both (``kernels/csrc/gemm_bf16_cpu.cpp``): the
 weight packed once into 16-column blocks of k pairs (:func:`pack_gemm_weight`, 2 bytes per parameter,
 as oneDNN's packed copy), widened to float32 in registers, float32 FMAs with one accumulator per output
-in k order. Measured on the 2-core Xeon above (``python -m bench.cpu_linears``), SmolLM2's 121 linears
-of a step took 1.25-1.69x less time than the better of oneDNN bfloat16 and MKL float32 at 1-96 rows and
-1.05x less at 512, without the float32 copies; and a row's result does not depend on the other rows, so batch-invariant mode needs no
-row tiles there. On AMD CPUs with AVX512-BF16 (:func:`gemm_dot_products`) the same GEMM multiplies the
-packed pairs with VDPBF16PS instead, still one accumulator per output, k pair by pair (the odd
-element of a pair first): 1.2-1.4x oneDNN's bfloat16 GEMM at 8-128 rows on a 2-vCPU EPYC, level at 512. ``CBP_CPU_OWN_GEMM=0`` turns it off.
+in k order, so a row's result does not depend on the other rows (batch-invariant mode needs no row tiles
+there). On AMD CPUs with AVX512-BF16 (:func:`gemm_dot_products`) the same GEMM multiplies the packed pairs
+with VDPBF16PS instead, still one accumulator per output, k pair by pair (the odd element of a pair first).
+``CBP_CPU_OWN_GEMM=0`` turns it off.
 
 On CPUs with AVX2 and FMA but no AVX-512 (:func:`own_gemm_f32_cpu`), where float32 is the engine's dtype, a
 float32 :class:`Linear` uses the engine's own float32 GEMM (``kernels/csrc/gemm_f32_cpu.cpp``): the weight
 packed once into 16-column blocks (:func:`pack_gemm_weight_f32`, 4 bytes per parameter), 6 x 16 register
-tiles of float32 FMAs, one accumulator per output in k order, so batch invariant as it is. On a 2-vCPU AMD
-EPYC (Zen 3) the step's 121 linears took 1.3-3.8x less time than ``F.linear`` (MKL) at 1-96 rows and
-0.95-1.6x at 128-512 (about level at 512) (``python -m bench.cpu_linears --dtype float32``).
+tiles of float32 FMAs, one accumulator per output in k order, so batch invariant as it is.
 
-:class:`Linear` is what the engine's forward calls for one weight; :func:`prepack_linears`
-replaces the ``nn.Linear`` modules of a transformers decoder (for architectures the engine runs through
-transformers' modules). The packed tensor is an opaque oneDNN tensor: inference only (no autograd).
+Each choice's speed against the library call it replaces, per CPU class: ``python -m bench.cpu_linears``
+(figures in docs/performance.md; the choices in docs/kernels.md).
 """
 
 from __future__ import annotations
