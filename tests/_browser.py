@@ -4,15 +4,13 @@ and bounded waits."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
+from bench.browser import CHROMIUM, CHROMIUM_FLAGS
 from ui.layout import launch
 
-CHROMIUM = os.environ.get("CBP_CHROMIUM", "/usr/bin/chromium")  # Debian's package
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+__all__ = ["CHROMIUM", "CHROMIUM_FLAGS", "free_port", "serve", "wait"]
 
 
 def free_port() -> int:

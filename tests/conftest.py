@@ -15,6 +15,48 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+BUILD_LINE_EVERY_S = 15.0
+
+
+def pytest_sessionstart(session):
+    """Build the C++ CPU kernels before the first test when this checkout has not built them yet, and say so
+    on the terminal (a line at the start and every 15 s): under ``pytest -q`` the build (minutes on two cores)
+    would otherwise look like a hung first test. A failed build is said too; the tests then run the torch path
+    where the kernels are missing, as the app does."""
+    import sys
+    import threading
+    import time
+
+    from kernels import cpu_build, cpu_ops
+
+    name = cpu_ops.extension_name()
+    if cpu_build.is_built(name, cpu_build.build_folder(name)):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(text: str) -> None:
+        if reporter is not None:
+            reporter.write_line(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    say(f"building the C++ CPU kernels of this checkout once ({cpu_build.estimate()}); later runs reuse them")
+    done, t0 = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(BUILD_LINE_EVERY_S):
+            say(f"  still building the C++ CPU kernels ({time.monotonic() - t0:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        ok = cpu_ops.available()
+    finally:
+        done.set()
+        thread.join()
+    say(f"C++ CPU kernels built in {time.monotonic() - t0:.0f} s" if ok
+        else f"C++ CPU kernels not built ({cpu_ops.unavailable_reason()}); the torch path runs instead")
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

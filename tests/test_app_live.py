@@ -165,7 +165,7 @@ def _bot_text_len(page) -> int:
 
 def test_browser_two_contexts_chat_at_once_and_panels_render(request):
     if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)")
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CHROMIUM_PATH)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     live_app = request.getfixturevalue("live_app")  # only now: no model load for a skipped test
     with sync_api.sync_playwright() as pw:

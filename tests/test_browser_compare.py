@@ -18,7 +18,7 @@ import pytest
 from tests._browser import CHROMIUM, CHROMIUM_FLAGS, serve
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
+    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CHROMIUM_PATH)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 from engine.async_engine import AsyncEngine  # noqa: E402

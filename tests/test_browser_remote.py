@@ -15,7 +15,7 @@ from tests._browser import CHROMIUM, CHROMIUM_FLAGS, free_port, wait
 from tests.test_remote_replies import Stub
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CBP_CHROMIUM)", allow_module_level=True)
+    pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium (or set CHROMIUM_PATH)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 CHAT_TEXT = "() => document.querySelector('#chatbot').innerText"
