@@ -113,5 +113,5 @@ def test_look_back_at_the_oldest_step_survives_a_step_recorded_while_drawing(mon
         return real(*a, **k)
 
     monkeypatch.setattr(figures, "occupancy_spec", engine_steps_meanwhile)
-    key, snaps, _ = panels._build(48, "en", oldest)
-    assert snaps[-1].step > oldest
+    key, inputs, _ = panels._build(48, "en", oldest)
+    assert inputs.snaps[-1].step > oldest

@@ -205,3 +205,22 @@ def test_the_panels_keep_their_place_whatever_the_lines_say_and_hover_never_cove
     finally:
         engine.resume()
         page.context.close()
+
+
+def test_a_folded_panel_is_drawn_once_its_accordion_opens(stage):
+    """The rates panel (a folded row of ui.panel_table.PANELS) is asked for and drawn only once its accordion
+    is open, then follows the engine like the others."""
+    page = _page(stage)
+    try:
+        stage.engine.set_min_step_time(0.05)
+        if not stage.demo.cbp_loadgen.stats.run:
+            page.click("#start-load")
+        assert page.evaluate("() => !document.querySelector('#rates .js-plotly-plot')")
+        from ui.i18n import EN
+
+        page.get_by_text(EN["rates"]).first.click()
+        page.wait_for_selector("#rates .js-plotly-plot")
+        first = page.evaluate("() => window.cbpLive.drawn.rates")
+        page.wait_for_function(f"() => window.cbpLive.drawn.rates > {first}")
+    finally:
+        page.context.close()

@@ -14,6 +14,7 @@ from tests.test_ui_figures import SEQ
 from tests.test_ui_handlers import StubEngine, handlers, req
 from ui.live import LiveChannel, markdown_line_html, pacing_line
 from ui.loadgen import LoadGenerator
+from ui.panel_table import PANELS, Panel
 from ui.panels import Panels
 
 
@@ -34,11 +35,12 @@ def test_a_poll_sends_figures_only_when_the_picture_changed():
         first = json.loads(await live.frame("s1", None))
         again = json.loads(await live.frame("s1", first["key"]))
         engine.telemetry.record(SEQ[1])
-        newer = json.loads(await live.frame("s1", first["key"], rates=True))
+        newer = json.loads(await live.frame("s1", first["key"], shown={"rates"}))
         return first, again, newer
 
     first, again, newer = asyncio.run(run())
-    assert set(first["figs"]) == {"occupancy", "blocks", "rates"} and first["figs"]["occupancy"]["data"]
+    assert set(first["figs"]) == {p.name for p in PANELS} == {"occupancy", "blockmap", "rates"}
+    assert first["figs"]["occupancy"]["data"] and first["figs"]["blockmap"]["data"]
     assert first["figs"]["rates"] is None  # the rates accordion is closed unless the tab asks
     assert "figs" not in again and again["key"] == first["key"]  # up to date: a few hundred bytes
     assert newer["key"] != first["key"] and newer["figs"]["rates"]["data"]
@@ -216,3 +218,25 @@ def test_the_page_loads_plotlys_cartesian_bundle_of_the_plotly_packages_version(
     head = live.PLOTLY_CARTESIAN.read_text(encoding="utf-8")[:300]
     assert "cartesian" in head and version(live.PLOTLY_CARTESIAN) == version(full)
     assert live.PLOTLY_CARTESIAN.stat().st_size < full.stat().st_size / 2
+
+
+def test_a_row_of_the_panel_table_is_a_panel_of_every_frame(monkeypatch):
+    """A new panel is one row of ui.panel_table.PANELS: built from the same window, sent by name (a folded
+    one only to a tab that shows it), with an element of that id on the page."""
+    import ui.live
+    import ui.panels
+    from ui.page_markup import folded_html, live_html
+
+    steps = Panel("steps", lambda f: {"data": [{"type": "bar", "y": [s.step for s in f.snaps]}], "layout": {}})
+    folded = Panel("folded", lambda f: {"data": [], "layout": {}}, folded="rates")
+    monkeypatch.setattr(ui.panels, "PANELS", (*PANELS, steps, folded))
+    monkeypatch.setattr(ui.live, "FOLDED", ("rates", "folded"))
+    engine, _chat, live = _channel()
+    engine.telemetry.record(SEQ[0])
+    engine.telemetry.record(SEQ[1])
+    closed = json.loads(asyncio.run(live.frame("s1", None)))
+    opened = json.loads(asyncio.run(live.frame("s2", None, shown={"folded"})))
+    assert closed["figs"]["steps"]["data"][0]["y"] == [s.step for s in SEQ[:2]]
+    assert closed["figs"]["folded"] is None and opened["figs"]["folded"] == {"data": [], "layout": {}}
+    assert all(f'id="{p.name}"' in live_html() for p in PANELS if p.folded is None)
+    assert 'data-folded' in folded_html("folded")

@@ -169,9 +169,9 @@ def test_panels_rebuild_only_on_new_steps_and_skip_unchanged():
         return first, again, newer
 
     first, again, newer = asyncio.run(run())
-    assert first[0].startswith("(2, 96, 'en'") and json.loads(first[1][0])["data"]  # key: (step, window, lang, ...)
+    assert first[0].startswith("(2, 96, 'en'") and json.loads(first[1]["occupancy"])["data"]  # key: (step, window, lang, ...)
     assert again == first  # same key and the same cached JSON: nothing is rebuilt for a tab that polls again
-    assert newer[0].startswith("(3, 96, 'en'") and newer[1][0] != first[1][0]
+    assert newer[0].startswith("(3, 96, 'en'") and newer[1]["occupancy"] != first[1]["occupancy"]
     assert panels.builds == 2
 
 

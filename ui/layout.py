@@ -20,7 +20,8 @@ from ui.i18n import I18N, t
 from ui.live import LiveChannel, head_html
 from ui.loadgen import LoadGenerator
 from ui.page_actions import PageActions, engine_summary, is_host_page, lang_of  # noqa: F401  (re-exported)
-from ui.page_markup import CSS, counters_html, live_html, session_html
+from ui.page_markup import CSS, counters_html, folded_html, live_html, session_html
+from ui.panel_table import PANELS
 from ui.panels import Panels
 from ui.queue_polling import quiet_queue
 
@@ -181,8 +182,10 @@ def panels_column(window: int, capacity: int) -> PanelControls:
         look_back = gr.Slider(0, capacity, value=0, step=1, label=t("look_back"), scale=2, elem_id="look-back")
         live_box = gr.Checkbox(value=True, label=t("live"), scale=1)
     gr.HTML(counters_html(), padding=False, elem_id="counters")  # below the panels
-    with gr.Accordion(t("rates"), open=False):
-        gr.HTML('<div id="rates" class="cbp-panel"></div>', padding=False)
+    for panel in PANELS:
+        if panel.folded is not None:
+            with gr.Accordion(t(panel.folded), open=False):
+                gr.HTML(folded_html(panel.name), padding=False)
     with gr.Accordion(t("how_title"), open=True):
         gr.Markdown(t("how"), elem_classes="cbp-note")
     return PanelControls(session_area, slow, window_steps, look_back, live_box)

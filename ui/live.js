@@ -116,12 +116,15 @@
     reply(f.chat);
   }
 
+  // each figure of the frame is drawn into the element of its name (ui/panel_table.py: one row per panel);
+  // the first is timed apart (the slot occupancy: the panel the room watches)
   function render(f) {
     const t0 = performance.now();
-    draw("occupancy", f.figs.occupancy);
-    const t1 = performance.now();
-    draw("blockmap", f.figs.blocks);
-    if (f.figs.rates) draw("rates", f.figs.rates);
+    let t1 = t0;
+    for (const [name, fig] of Object.entries(f.figs)) {
+      if (fig) draw(name, fig);
+      if (t1 === t0) t1 = performance.now();
+    }
     lines(f);
     const t2 = performance.now();
     st.lastDrawn = f.key;
@@ -171,16 +174,17 @@
     url.search = new URLSearchParams(q).toString();
     return url;
   }
-  let early = fetch(liveUrl({ session: "", since: "", rates: 0, figs: document.hidden ? 0 : 1, template: 1 }),
+  let early = fetch(liveUrl({ session: "", since: "", shown: "", figs: document.hidden ? 0 : 1, template: 1 }),
     { cache: "no-store" }).then((r) => (r.ok ? r.text() : null)).catch(() => null);
 
   async function poll() {
     if (st.held) return;
     if (window.Plotly && !st.marks.plotly) st.marks.plotly = performance.now();
-    if ($("occupancy") && !st.marks.panels) st.marks.panels = performance.now();
+    const first = document.querySelector(".cbp-panel:not([data-folded])"); // the live area's first panel
+    if (first && !st.marks.panels) st.marks.panels = performance.now();
     // the page is still being built; a page without panels (remote mode's) needs no Plotly, only its session
     const panelsPage = !!document.querySelector(".cbp-panel");
-    if (panelsPage ? !window.Plotly || !$("occupancy") : !session()) return schedule(0.05);
+    if (panelsPage ? !window.Plotly || !first : !session()) return schedule(0.05);
     if (!st.marks.ready) st.marks.ready = performance.now(); // plotly.js and the panels' place are there
     if (st.busy) { st.again = true; return; }
     st.busy = true;
@@ -189,18 +193,18 @@
       st.sid = sid;
       st.key = null;
     }
-    const rates = $("rates");
-    const wantRates = rates && rates.offsetParent !== null ? 1 : 0;
-    if (wantRates && !st.ratesDrawn) st.key = null; // the accordion just opened: ask for the figures again
-    st.ratesDrawn = wantRates;
+    // the folded panels (in accordions) this tab shows now: their figures are asked for only while open
+    const open = [...document.querySelectorAll(".cbp-panel[data-folded]")].filter((el) => el.offsetParent !== null)
+      .map((el) => el.id).join(",");
+    if (open && open !== st.open) st.key = null; // an accordion just opened: ask for the figures again
+    st.open = open;
     // a hidden tab, or one showing another tab of the page (Compare), asks for no figures (nothing is built or
     // drawn for it, and the browser's cores stay free); it catches up when the panels are shown again
-    const occupancy = $("occupancy");
-    const shown = !document.hidden && !!occupancy && occupancy.offsetParent !== null;
+    const shown = !document.hidden && !!first && first.offsetParent !== null;
     if (shown && !st.shown) st.key = null;
     st.shown = shown;
     const figs = shown ? 1 : 0;
-    const q = { session: sid, since: st.key || "", rates: wantRates, figs };
+    const q = { session: sid, since: st.key || "", shown: open, figs };
     if (st.after !== null) q.after = st.after;
     if (st.wait) { q.wait = st.wait; st.wait = 0; }
     if (!st.template) q.template = 1;

@@ -39,7 +39,7 @@ import html
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ from ui import talk
 from ui.chat import ChatHandlers
 from ui.i18n import EN, KO, PACE_TEXTS, state_text
 from ui.loadgen import LoadGenerator
+from ui.panel_table import FOLDED
 from ui.panels import COUNTER_KEYS, PanelKey, Panels
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class LiveChannel:
 
         return refs, name
 
-    async def frame(self, session: str, since: str | None, lang: str = "en", rates: bool = False,
+    async def frame(self, session: str, since: str | None, lang: str = "en", shown: Collection[str] = (),
                     figures: bool = True, after: int | None = None, wait: float = 0.0,
                     template: bool = False) -> str:
         """One poll's answer, as JSON text.
@@ -214,8 +215,9 @@ class LiveChannel:
         named by colour and letter, ids on hover), ``load`` (load-generator line), ``counters`` (``[{key,
         label, value}]``), ``chat`` (the tab's streaming reply: ``{rid, title, text, final}``, or null),
         ``refresh`` (seconds until the next poll), ``template`` (Plotly's layout template, when asked for:
-        the figures are sent without it) and ``figs``: ``{occupancy, blocks, rates}`` Plotly figures, present
-        only when ``key`` differs from ``since`` (``rates`` only when asked for). ``figures=False`` (a hidden
+        the figures are sent without it) and ``figs``: ``{panel name: Plotly figure}``, one per row of
+        :data:`ui.panel_table.PANELS`, present only when ``key`` differs from ``since`` (a folded panel's
+        figure only when its name is in ``shown``, the folded panels the tab shows; else null). ``figures=False`` (a hidden
         tab) sends and builds no figures. ``after`` is the last step the tab was sent; ``wait`` (seconds)
         holds the answer until the engine has made a step after it. An empty ``session`` is a tab not named
         yet: the default view, nothing of its own.
@@ -245,7 +247,7 @@ class LiveChannel:
             drawn = PanelKey.step_of(key)
             out.update(key=key, drawn=drawn, every=every, behind=max(0, self._newest_step() - drawn) if every else 0)
             if key != since:
-                figs = {"occupancy": plots[0], "blocks": plots[1], "rates": plots[2] if rates else None}
+                figs = {name: plot if name not in FOLDED or name in shown else None for name, plot in plots.items()}
         else:
             out["key"] = since
         text = json.dumps(out, ensure_ascii=False)
@@ -271,12 +273,12 @@ class LiveChannel:
                 self.reap()
 
         @router.get("/cbp/live", include_in_schema=False)
-        async def live(request: Request, session: str = "", since: str = "", rates: int = 0,
+        async def live(request: Request, session: str = "", since: str = "", shown: str = "",
                        figs: int = 1, after: int | None = None, wait: float = 0.0, template: int = 0) -> Response:
             if not reaper:  # started from the server's own loop, on the first poll
                 self.loop = asyncio.get_running_loop()
                 reaper.append(self.loop.create_task(reap_forever()))
-            text = await self.frame(session, since or None, lang_of(request), bool(rates), bool(figs), after,
+            text = await self.frame(session, since or None, lang_of(request), set(shown.split(",")), bool(figs), after,
                                     wait, bool(template))
             return Response(text, media_type="application/json", headers={"Cache-Control": "no-store"})
 

@@ -8,7 +8,8 @@ import html
 
 from ui.compare import COMPARE_CSS
 from ui.invariance import INVARIANCE_CSS
-from ui.panels import COUNTER_KEYS, PLOT_HEIGHT
+from ui.panel_table import PLOT_HEIGHT, SHOWN
+from ui.panels import COUNTER_KEYS
 
 # Fixed layout: the lines above the panels have fixed heights (a longer text is cut, never wraps the panels
 # down), the panels a fixed height, and Plotly's own hover label is hidden (ui/live.js writes the hovered
@@ -20,7 +21,7 @@ CSS = f"""
 .cbp-note {{ font-size: 0.9em; }}
 .cbp-panel {{ height: {PLOT_HEIGHT}px; min-height: {PLOT_HEIGHT}px; overflow: hidden; }}
 .cbp-panel .cbp-plot {{ width: 100%; height: {PLOT_HEIGHT}px; }}
-#occupancy .hoverlayer, #blockmap .hoverlayer {{ display: none; }}
+#cbp-live .cbp-panel .hoverlayer {{ display: none; }}
 #pace-status {{ height: 2.8em; line-height: 1.4em; overflow: hidden; display: -webkit-box;
   -webkit-line-clamp: 2; -webkit-box-orient: vertical; }}
 #mine, #cbp-hover {{ height: 1.4em; line-height: 1.4em; overflow: hidden; white-space: nowrap;
@@ -46,9 +47,15 @@ CSS = f"""
 
 def live_html() -> str:
     """The live area the page's poller fills (``ui/live.js``): pace line, the tab's own request, the hovered
-    cell's line and both panels. It is never replaced (the panels drawn before the page's load event stay)."""
-    return ('<div id="cbp-live"><div id="pace-status"></div><div id="mine"></div><div id="cbp-hover"></div>'
-            '<div id="occupancy" class="cbp-panel"></div><div id="blockmap" class="cbp-panel"></div></div>')
+    cell's line and the panels that are always shown (:data:`ui.panel_table.SHOWN`, one element each, by name).
+    It is never replaced (the panels drawn before the page's load event stay)."""
+    panels = "".join(f'<div id="{name}" class="cbp-panel"></div>' for name in SHOWN)
+    return f'<div id="cbp-live"><div id="pace-status"></div><div id="mine"></div><div id="cbp-hover"></div>{panels}</div>'
+
+
+def folded_html(name: str) -> str:
+    """The element of folded panel ``name`` (in its accordion; :data:`ui.panel_table.FOLDED`)."""
+    return f'<div id="{name}" class="cbp-panel" data-folded="1"></div>'
 
 
 def session_html(session: str = "") -> str:

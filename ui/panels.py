@@ -29,8 +29,9 @@ from plotly.io.json import to_json_plotly
 from engine import StepSnapshot, Telemetry
 from ui import figures
 from ui.i18n import figure_labels
+from ui.panel_table import PANELS, PLOT_HEIGHT, FigureInputs
 
-PLOT_HEIGHT = 280  # pixels: the pacing row and both panels fit one 1366x768 screen
+__all__ = ["COUNTER_KEYS", "PLOT_HEIGHT", "PanelKey", "Panels", "Plots"]
 COUNTER_KEYS = ("running", "waiting", "kv_usage", "tokens_per_s", "ttft", "tpot", "totals", "prefix_cache")
 
 
@@ -64,7 +65,7 @@ class PanelKey(NamedTuple):
         return int(text.lstrip("(").split(",", 1)[0])
 
 
-Plots = tuple[PlotData, PlotData, PlotData]  # occupancy, block map, rates
+Plots = dict[str, PlotData]  # panel name (ui.panel_table.PANELS) -> its serialised figure
 
 
 def _plot_data(spec: dict) -> PlotData:
@@ -106,8 +107,8 @@ class Panels:
         self._lock: asyncio.Lock | None = None
         # (window, lang, end) -> (key, snapshots drawn, serialised plots); a few variants, so tabs in two
         # languages or at two points of the timeline don't thrash
-        self._cache: dict[tuple[int, str, int | None], tuple[PanelKey, list[StepSnapshot], Plots]] = {}
-        self._mine: dict[PanelKey, tuple[PlotData, PlotData]] = {}  # key with ``mine`` -> outlined plots
+        self._cache: dict[tuple[int, str, int | None], tuple[PanelKey, FigureInputs, Plots]] = {}
+        self._mine: dict[PanelKey, Plots] = {}  # key with ``mine`` -> the plots with that request outlined
         self.builds = 0
 
     def rebind(self, telemetry: Telemetry, num_slots: int | None = None, num_blocks: int | None = None) -> None:
@@ -128,8 +129,7 @@ class Panels:
             snaps = [s for s in snaps if s.step <= end] or snaps[:1]
         return snaps[-window:]
 
-    def _build(self, window: int, lang: str,
-               end: int | None) -> tuple[PanelKey, list[StepSnapshot], tuple[dict, dict, dict]]:
+    def _build(self, window: int, lang: str, end: int | None) -> tuple[PanelKey, FigureInputs, dict[str, dict]]:
         for attempt in range(3):
             try:
                 return self._build_once(window, lang, end, margin=attempt > 0)
@@ -138,29 +138,22 @@ class Panels:
         return self._build_once(window, lang, end, margin=True)
 
     def _build_once(self, window: int, lang: str, end: int | None,
-                    margin: bool = False) -> tuple[PanelKey, list[StepSnapshot], tuple[dict, dict, dict]]:
+                    margin: bool = False) -> tuple[PanelKey, FigureInputs, dict[str, dict]]:
         version = self.telemetry.version
         snaps = self._window(window, end, margin)
-        labels = figure_labels(lang)
         colors = self.colors.update(snaps)
-        letters = self.colors.letters(colors)
-        last = snaps[-1] if snaps else None
-        key = PanelKey(last.step if last else 0, window, lang, end, version)
-        figs = (
-            figures.occupancy_spec(snaps, colors, labels, num_slots=self.num_slots, window=window,
-                                   height=PLOT_HEIGHT, letters=letters, lang=lang),
-            figures.block_map_spec(last, colors, labels, num_blocks=self.num_blocks, height=PLOT_HEIGHT,
-                                   letters=letters, lang=lang),
-            figures.rates_spec(snaps, labels),
-        )
-        return key, snaps, figs
+        inputs = FigureInputs(snaps, colors, self.colors.letters(colors), figure_labels(lang), lang, window,
+                              self.num_slots, self.num_blocks)
+        key = PanelKey(snaps[-1].step if snaps else 0, window, lang, end, version)
+        return key, inputs, {p.name: p.build(inputs) for p in PANELS}
 
-    def _build_serialised(self, window: int, lang: str, end: int | None) -> tuple[PanelKey, list[StepSnapshot], Plots]:
-        key, snaps, (occupancy, blocks, rates) = self._build(window, lang, end)
-        return key, snaps, (_plot_data(occupancy), _plot_data(blocks), _plot_data(rates))
+    def _build_serialised(self, window: int, lang: str, end: int | None) -> tuple[PanelKey, FigureInputs, Plots]:
+        key, inputs, specs = self._build(window, lang, end)
+        return key, inputs, {name: _plot_data(spec) for name, spec in specs.items()}
 
-    async def plots(self, window: int, lang: str, end: int | None = None) -> tuple[PanelKey, list[StepSnapshot], Plots]:
-        """``(key, snapshots drawn, (occupancy, blocks, rates))``, rebuilt only if the picture changed.
+    async def plots(self, window: int, lang: str, end: int | None = None) -> tuple[PanelKey, FigureInputs, Plots]:
+        """``(key, what was drawn from, {panel name: figure})`` (one figure per row of
+        :data:`ui.panel_table.PANELS`), rebuilt only if the picture changed.
 
         Args:
             window: steps shown.
@@ -200,21 +193,19 @@ class Panels:
         return (f'<span class="cbp-req" title="{html.escape(request_id)}"><i style="background:'
                 f'{figures.PALETTE[index % figures.K]}"></i>{html.escape(self.label(request_id, lang))}</span>')
 
-    async def _outlined(self, key: PanelKey, snaps: list[StepSnapshot], plots: Plots, mine: str,
-                        lang: str) -> tuple[PlotData, PlotData] | None:
-        """Occupancy and block map of ``key`` with ``mine`` outlined (None when it is in neither);
+    async def _outlined(self, key: PanelKey, inputs: FigureInputs, plots: Plots, mine: str) -> Plots | None:
+        """The plots of ``key`` with ``mine`` outlined in each panel that outlines (None when it is in none);
         ``key`` is the figures' key without ``mine``."""
         mine_key = key._replace(mine=mine)
         cached = self._mine.get(mine_key)
         if cached is None:
-            labels = figure_labels(lang)
-            occ = figures.occupancy_highlight(snaps, mine, labels)
-            blk = figures.block_map_highlight(snaps[-1], mine, labels, num_blocks=self.num_blocks) if snaps else None
-            if occ is None and blk is None:
+            traces = {p.name: p.outline(inputs, mine) for p in PANELS if p.outline is not None}
+            traces = {name: trace for name, trace in traces.items() if trace is not None}
+            if not traces:
                 return None
-            outlined: tuple[PlotData, PlotData] = await asyncio.to_thread(
-                lambda: (plots[0] if occ is None else _with_trace(plots[0], occ),
-                         plots[1] if blk is None else _with_trace(plots[1], blk)))
+            outlined: Plots = await asyncio.to_thread(
+                lambda: {name: _with_trace(plot, traces[name]) if name in traces else plot
+                         for name, plot in plots.items()})
             cached = self._mine[mine_key] = outlined
             while len(self._mine) > 64:
                 self._mine.pop(next(iter(self._mine)))
@@ -226,23 +217,25 @@ class Panels:
         return tuple(values[k] for k in COUNTER_KEYS)
 
     async def frame_plots(self, window: int, lang: str, mine: str | None = None,
-                          end: int | None = None) -> tuple[str, tuple[str, str, str]]:
-        """The figures a tab's poll shows: ``(key, (occupancy, blocks, rates))`` as Plotly JSON text.
+                          end: int | None = None) -> tuple[str, dict[str, str]]:
+        """The figures a tab's poll shows: ``(key, {panel name: Plotly JSON text})``, one per row of
+        :data:`ui.panel_table.PANELS`.
 
         ``key`` names what is drawn (:meth:`PanelKey.text` of the last step, window, language, pin, telemetry
-        version, and the outlined request); equal keys mean equal figures, so a tab that already has them gets none. Figures are
-        rebuilt only when the engine made a step (or ``window`` / ``end`` change), then shared by every tab.
+        version, and the outlined request); equal keys mean equal figures, so a tab that already has them gets
+        none. Figures are rebuilt only when the engine made a step (or ``window`` / ``end`` change), then shared
+        by every tab.
 
         Args:
             window: steps shown.
             lang: figure language.
-            mine: the tab's own request id, outlined in both panels while it is on screen.
+            mine: the tab's own request id, outlined in the panels that outline while it is on screen.
             end: pin the window's last step (None: follow the newest step).
         """
-        key, snaps, plots = await self.plots(int(window), lang, end)
+        key, inputs, plots = await self.plots(int(window), lang, end)
         if mine:
-            outlined = await self._outlined(key, snaps, plots, mine, lang)
+            outlined = await self._outlined(key, inputs, plots, mine)
             if outlined is not None:
-                plots = (*outlined, plots[2])
+                plots = outlined
                 key = key._replace(mine=mine)
-        return key.text(), (plots[0].plot, plots[1].plot, plots[2].plot)
+        return key.text(), {name: plot.plot for name, plot in plots.items()}
