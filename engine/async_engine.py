@@ -28,6 +28,7 @@ from engine.core import EngineCore
 from engine.errors import RequestError
 from engine.parallel_sampling import ParentRequest, child_ids
 from engine.request import RequestOutput, SamplingParams
+from engine.telemetry import FinishedRequestStats
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class AsyncEngine:
         self._inputs = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cbp-inputs")
         self._parents: dict[str, ParentRequest] = {}  # n > 1: request id and each child id -> its parent
         self._closing: str | None = None  # set by close(): the error every request in flight ends with
+        self._finish_listeners: list[Callable[[FinishedRequestStats], None]] = []  # kept across reconfigure()
         if start:
             self.start()
 
@@ -395,13 +397,22 @@ class AsyncEngine:
         self._wake.set()
         self._pace.set()
 
+    def on_finished(self, listener: Callable[[FinishedRequestStats], None]) -> list[FinishedRequestStats]:
+        """Call ``listener(record)`` with every request record finished from now on in this engine (on the engine
+        thread: keep it cheap), across :meth:`reconfigure` (the new core's telemetry calls it too), and return
+        the records the current telemetry kept so far; together they hold each record exactly once."""
+        with self._lock:
+            self._finish_listeners.append(listener)
+            return self.core.telemetry.on_finished(listener)
+
     def reconfigure(self, **changes) -> EngineConfig:
         """Go on with a fresh core whose settings are this one's with ``changes`` applied (e.g. the talk
         preset: ``max_num_seqs=4, num_blocks=96, free_block_order="mru"``), on the same loaded model and
         tokenizer (nothing is loaded again; the new KV pool and packed weights are built while the old core
         still serves). Every request in flight or queued ends with an error ("the engine was restarted with
         new settings") and its stream closes; the telemetry, step count and pacing start afresh, so anything
-        holding ``engine.telemetry`` must read it again. The context length is the model's, capped by the new
+        holding ``engine.telemetry`` must read it again (listeners of :meth:`on_finished` are carried over;
+        cumulative counters of the old telemetry are the holder's to keep). The context length is the model's, capped by the new
         pool, unless ``changes`` gives ``max_model_len``. Call it from any thread except the stepping thread.
 
         Returns:
@@ -421,6 +432,8 @@ class AsyncEngine:
             self._thread.join()
         with self._lock:  # no generate() enqueues in between: its request goes to the new core
             outputs = old.process_inbox() + old.fail_all("the engine was restarted with new settings")
+            for listener in self._finish_listeners:
+                core.telemetry.on_finished(listener)
             self.core, self.pacing = core, core.pacing
         self._deliver_all(outputs)
         if running:

@@ -90,7 +90,7 @@ def start_kv_publisher(engine: AsyncEngine, config: str | KVEventsConfig | None)
         return None
     if not engine.config.enable_prefix_caching:
         log.warning("KV events are on but prefix caching is off: no block will ever be published as stored")
-    publisher = KVEventPublisher(engine.telemetry, engine.config.block_size, cfg).start()
+    publisher = KVEventPublisher(lambda: engine.telemetry, engine.config.block_size, cfg).start()
     atexit.register(publisher.stop)
     shown = ", replay " + str(publisher.replay_endpoint) if publisher.replay_endpoint else ""
     how = "bound on" if binds(publisher.endpoint or "") else "connecting to (no * in the endpoint: vLLM's rule)"

@@ -141,7 +141,10 @@ class KVEventPublisher:
     """Follows one engine's KV feed in a thread and publishes it in vLLM's wire format.
 
     Args:
-        telemetry: the engine's :class:`engine.telemetry.Telemetry` (read through ``kv_feed`` only).
+        telemetry: the engine's :class:`engine.telemetry.Telemetry` (read through ``kv_feed`` only), or a
+            callable that returns the engine's current one (``lambda: engine.telemetry``): an engine reconfigured
+            with a new pool (the talk preset) starts a new telemetry, and the publisher goes on with it, its
+            first batch an ``AllBlocksCleared`` (the new pool holds nothing).
         block_size: tokens per block (the events' ``block_size``).
         config: an enabled :class:`KVEventsConfig`.
         context: a ZMQ context (default: the process's shared one).
@@ -155,7 +158,8 @@ class KVEventPublisher:
     """
 
     def __init__(self, telemetry, block_size: int, config: KVEventsConfig, context: zmq.Context | None = None):
-        self.telemetry = telemetry
+        self._source = telemetry if callable(telemetry) else (lambda: telemetry)
+        self.telemetry = self._source()
         self.block_size = block_size
         self.config = config
         self.ctx = context or zmq.Context.instance()
@@ -231,7 +235,15 @@ class KVEventPublisher:
     def poll_once(self) -> int:
         """Read the feed once and publish what it gives (the thread's loop body); returns batches sent."""
         n = 0
-        for payload in self.payloads(self.telemetry.kv_feed(self._cursor)):
+        current = self._source()
+        if current is not self.telemetry:  # a new pool: the old telemetry's last events, then the new one's
+            n += self._publish(self.telemetry.kv_feed(self._cursor))
+            self.telemetry, self._cursor = current, (0, 0)  # from its first step (the empty pool)
+        return n + self._publish(self.telemetry.kv_feed(self._cursor))
+
+    def _publish(self, feed: KVFeed) -> int:
+        n = 0
+        for payload in self.payloads(feed):
             self._send(payload)
             n += 1
         return n

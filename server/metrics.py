@@ -61,7 +61,9 @@ class EngineMetrics:
     Gauges and counters are read from the engine at each scrape; the histograms and ``request_success`` are
     fed as each request finishes (``Telemetry.on_finished``, on the engine thread, from the records the
     telemetry kept before for the requests finished earlier), so they cover every request of the engine (UI
-    chats too), however many finish between two scrapes.
+    chats too), however many finish between two scrapes. The engine's telemetry starts afresh when it is
+    reconfigured (the talk preset): the finish listener is carried over by ``AsyncEngine.on_finished``, and the
+    counters read from the telemetry go on from the old telemetry's final totals, so none ever goes back.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, prefix: str = "cbp",
@@ -101,7 +103,11 @@ class EngineMetrics:
         self.registry.register(self)
         self.vllm = EngineMetrics(engine, model_name, "vllm", self.registry, vllm_names=False, engine_label="0") \
             if vllm_names and prefix != "vllm" else None
-        for record in engine.telemetry.on_finished(self.observe):
+        self._telemetry = engine.telemetry  # the one the counters below were last read from
+        self._base: dict[str, float] = {}  # counter -> the totals of the telemetries before it
+        self._base_steps: dict[int, int] = {}  # the same for the step-token histogram
+        self._switch = threading.Lock()  # two scrapes at once see one switch of telemetry
+        for record in engine.on_finished(self.observe):
             self.observe(record)
 
     def reject(self, reason: str) -> None:
@@ -123,12 +129,36 @@ class EngineMetrics:
         self.gen_len.observe(r.num_output_tokens)
         self.success.labels(*self.label_values, r.finish_reason or "unknown").inc()
 
+    @staticmethod
+    def _totals(tel) -> dict[str, float]:
+        """The cumulative counters one telemetry holds (from its start)."""
+        snap = tel.latest()
+        return {"prompt_tokens": tel.total_prompt_tokens, "generation_tokens": tel.total_generated_tokens,
+                "prefix_cache_queries": getattr(snap, "prefix_cache_queries", 0),
+                "prefix_cache_hits": getattr(snap, "prefix_cache_hits", 0),
+                "num_preemptions": snap.num_preemptions if snap else 0}
+
+    def _current(self):
+        """The engine's telemetry; when the engine was reconfigured since the last scrape, the old one's final
+        totals (it no longer changes) are added to the counters' bases first."""
+        tel = self.engine.telemetry
+        with self._switch:
+            if tel is self._telemetry:
+                return tel
+            old, self._telemetry = self._telemetry, tel
+            for k, v in self._totals(old).items():
+                self._base[k] = self._base.get(k, 0) + v
+            for tokens, n in old.step_token_counts().items():
+                self._base_steps[tokens] = self._base_steps.get(tokens, 0) + n
+            return tel
+
     def collect(self):
         """Live gauges and cumulative counters (called by the registry at each scrape), read from the
         engine's latest telemetry snapshot and totals, never from the scheduler itself."""
         p, m, names = self.prefix, self.label_values, self.label_names
-        tel = self.engine.telemetry
+        tel = self._current()
         snap = tel.latest()
+        totals = {k: v + self._base.get(k, 0) for k, v in self._totals(tel).items()}
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=names)
@@ -148,7 +178,9 @@ class EngineMetrics:
                              m[-1]], 1.0)
             yield info
             # every step since the start (the engine counts them by their scheduled tokens as it records them)
-            counts = tel.step_token_counts()
+            counts = dict(self._base_steps)
+            for tokens, n in tel.step_token_counts().items():
+                counts[tokens] = counts.get(tokens, 0) + n
             fam = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                         labels=names)
             ordered, cumulative, i, buckets = sorted(counts.items()), 0, 0, []
@@ -176,14 +208,13 @@ class EngineMetrics:
             yield gauge("engine_healthy", "1 while the engine thread runs, else 0.",
                         1 if self.engine.is_running else 0)
         yield counter("prompt_tokens", "Number of prefill tokens processed (counted when a request ends).",
-                      tel.total_prompt_tokens)
-        yield counter("generation_tokens", "Number of generation tokens processed.", tel.total_generated_tokens)
+                      totals["prompt_tokens"])
+        yield counter("generation_tokens", "Number of generation tokens processed.", totals["generation_tokens"])
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      getattr(snap, "prefix_cache_queries", 0))
+                      totals["prefix_cache_queries"])
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      getattr(snap, "prefix_cache_hits", 0))
-        yield counter("num_preemptions", "Cumulative number of preemption from the engine.",
-                      snap.num_preemptions if snap else 0)
+                      totals["prefix_cache_hits"])
+        yield counter("num_preemptions", "Cumulative number of preemption from the engine.", totals["num_preemptions"])
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

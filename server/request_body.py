@@ -5,8 +5,11 @@ million ``stop`` items (integers) cost pydantic a million error objects, 7-39 s 
 (``/health`` included) was served. Here a body goes through cheap checks before the full validation, and a
 large one goes through all of it in a worker thread (:class:`BodyReader`):
 
-1. ``Content-Type`` must be JSON (or absent); the body is decoded with the standard library (malformed JSON,
-   text that is not UTF-8 or nesting past the interpreter's limit: 400);
+1. ``Content-Type`` must be JSON (``application/json`` or ``application/*+json``; absent or another type: 400,
+   so that a page of another origin cannot make a browser post a body without asking the server first: a
+   JSON content type makes the browser send a CORS preflight, which the server refuses by default); the body
+   must be UTF-8 (no byte-order mark) and is decoded with the standard library (malformed JSON, other text,
+   numbers of more digits than Python converts, or nesting past the interpreter's limit: 400);
 2. the list-valued fields are checked by length first, then by item type (``stop``: at most 64 strings;
    ``stop_token_ids`` / ``allowed_token_ids``: at most the vocabulary's size of integers; ``logit_bias``: at
    most that many numbers; ``messages``: at most the context length, as each takes a token at least;
@@ -211,12 +214,14 @@ def parse_body(raw: bytes, model: type[M], limits: BodyLimits) -> M:
         APIError: 400 for a body that is not a JSON object, breaks a limit or does not validate.
     """
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw.decode("utf-8"))  # decoded here: json.loads would guess UTF-16 / UTF-32 from bytes
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
     except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON body: {e.msg} (line {e.lineno}, column {e.colno})",
                        code="invalid_json") from None
+    except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits() (4,300)
+        raise APIError(400, f"malformed JSON body: {str(e).split(';')[0]}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, f"the request body is nested deeper than {limits.max_depth} levels",
                        code="request_too_complex") from None
@@ -301,8 +306,7 @@ class BodyReader:
         Raises:
             APIError: 400 (a ``Content-Type`` other than JSON, or see :func:`parse_body`).
         """
-        content_type = request.headers.get("content-type")
-        if content_type is not None and not _is_json(content_type):
+        if not _is_json(request.headers.get("content-type", "")):
             raise APIError(400, NOT_JSON_OBJECT)
         raw = await request.body()
         if len(raw) < self.limits.off_loop_bytes:

@@ -249,6 +249,9 @@ def test_metrics_observe_each_finished_request_once_even_past_the_ring():
         config = EngineConfig(num_blocks=8, block_size=16)
         num_pending, is_running = 0, True
 
+        def on_finished(self, listener):
+            return self.telemetry.on_finished(listener)
+
     def finish(n):
         for _ in range(n):
             FakeEngine.telemetry.record_finished(FinishedRequestStats("r", 0.1, 0.01, 0.5, 3, 2, "stop"))

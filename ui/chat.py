@@ -110,6 +110,12 @@ class ChatHandlers:
             self.backend.check(chat_settings)
         except (TypeError, ValueError) as exc:
             raise gr.Error(str(exc), print_exception=False) from exc  # a refused value: no traceback in the log
+        ended = self.replies.get(session)
+        if ended is not None:  # the last turn ended but the page has not written it into the chat yet (a message
+            # sent within the poll's interval): the chat holds its user message bare; take the turn as the
+            # commit would have written it, status line included, so a stopped or failed turn is marked (shown,
+            # and dropped from what the model is sent)
+            history = self.shown(ended, lang_of(request))
         stream = ReplyStream(f"chat-{uuid.uuid4().hex[:8]}", message, list(history or []))
         messages = [*to_messages(history), {"role": "user", "content": message}]
         stream.task = asyncio.get_running_loop().create_task(self._feed(stream, messages, chat_settings))
