@@ -205,8 +205,9 @@ class RemoteClient:
             extra: more body fields (``ignore_eos``, ``min_tokens``...), sent as given.
 
         Raises:
-            RemoteError: the server answered with an error status, sent an error event, or could not be reached
-                (the record's status is then ``"error"``).
+            RemoteError: the server answered with an error status, sent an error event, closed the stream
+                before its end (no ``[DONE]`` and no finish reason), or could not be reached (the record's status
+                is then ``"error"``).
         """
         rec = self.log.new(source, request_id)
         try:
@@ -228,6 +229,7 @@ class RemoteClient:
                     raise RemoteError("The server did not answer with a stream of events: the URL is probably not "
                                       "an OpenAI-compatible server; check --backend-url.",
                                       f"it answered {kind or 'no content type'}, not text/event-stream")
+                done = False
                 async for line in resp.aiter_lines():
                     if len(line) > MAX_LINE_CHARS:
                         raise RemoteError(_UNREADABLE, f"an event line of over {MAX_LINE_CHARS:,} characters")
@@ -235,10 +237,14 @@ class RemoteClient:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        done = True
                         break
                     text = self._chunk(rec, data)
                     if text:
                         yield text
+                if not done and rec.finish_reason is None:  # closed mid-reply: the text is cut, not a reply
+                    raise RemoteError("The server closed the reply before it was finished; check its log.",
+                                      "the event stream ended without [DONE] or a finish reason")
             rec.status = "finished"
         except (GeneratorExit, asyncio.CancelledError):
             rec.status = "aborted"
