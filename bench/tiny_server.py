@@ -13,6 +13,7 @@ milliseconds. ``--protocol edge`` serves as ``app.py`` does (:mod:`server.http_e
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--name", default="tiny")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the kernel build's lines (minutes at first)
     serve_tiny(a.port, protocol=a.protocol, max_model_len=a.max_model_len, num_blocks=a.num_blocks,
                max_body_bytes=a.max_body_bytes, name=a.name)
 
