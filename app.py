@@ -160,7 +160,7 @@ def talk_line(args: argparse.Namespace) -> str:
     preset = (f"{TALK_PRESET['max_num_seqs']} slots, {TALK_PRESET['num_blocks']} KV blocks, "
               f"{TALK_PRESET['free_block_order']} free-block order, a {TALK_WINDOW}-step window")
     if args.talk:
-        return f"talk     preset on ({preset}); slow motion and Step are above the panels"
+        return f"talk     preset on ({preset}); Pause, Step and the run-to buttons are above the panels, slow motion below them"
     return f"talk     for a room, start with --talk ({preset}) or press the page's Talk preset button"
 
 

@@ -250,6 +250,17 @@ def check_body(raw: bytes, model: type[BaseModel], limits: BodyLimits) -> tuple 
     return None
 
 
+def log_ignored_fields(body: BaseModel) -> None:
+    """Log the fields of a request that are neither honoured nor refused (unknown names, e.g. a misspelt
+    ``max_token``): accepted and ignored as vLLM does, and named in a WARNING as vLLM's server names them, so
+    a typo is found in the log (at most 8 names of at most 64 characters each)."""
+    extra = body.model_extra
+    if extra:
+        names = sorted(extra)
+        shown = ", ".join(repr(n[:64]) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        log.warning("fields present in the request but ignored (not fields of the API): %s", shown)
+
+
 class BodyReader:
     """Reads and validates request bodies (:func:`parse_body`).
 
@@ -310,7 +321,10 @@ class BodyReader:
             raise APIError(400, NOT_JSON_OBJECT)
         raw = await request.body()
         if len(raw) < self.limits.off_loop_bytes:
-            return parse_body(raw, model, self.limits)
-        if self.check_in_process:
-            await self._check_elsewhere(raw, model)
-        return await anyio.to_thread.run_sync(parse_body, raw, model, self.limits, limiter=self._limiter)
+            body = parse_body(raw, model, self.limits)
+        else:
+            if self.check_in_process:
+                await self._check_elsewhere(raw, model)
+            body = await anyio.to_thread.run_sync(parse_body, raw, model, self.limits, limiter=self._limiter)
+        log_ignored_fields(body)
+        return body

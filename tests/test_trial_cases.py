@@ -1,4 +1,4 @@
-"""Cases a hostile-user trial found, each failing before its fix:
+"""Cases the trials of a hostile user and a new user found, each failing before its fix:
 
 1. A JSON number with more digits than Python converts (4,300), a UTF-16 body or one with a byte-order mark,
    and a body without a JSON ``Content-Type`` are 400s (the number was a 500 with a traceback; the others were
@@ -7,6 +7,7 @@
    requests, its counters never go back, and the KV event publisher follows the new pool.
 3. A turn that ended (stopped or refused) and was not yet written into the chat when the next message is sent
    is written with its status line and never sent to the model again.
+4. (a new user's trial) A misspelt field, ignored as vLLM ignores it, is named in the log.
 """
 
 from __future__ import annotations
@@ -142,3 +143,14 @@ def test_the_kv_event_publisher_follows_the_engine_into_a_new_pool(tiny_model, t
     kinds = [e.type for p in sent[before:] for e in decode_batch(p).events]
     first = [e.type for p in sent[:before] for e in decode_batch(p).events]
     assert "BlockStored" in first and "AllBlocksCleared" in kinds and "BlockStored" in kinds[kinds.index("AllBlocksCleared"):]
+
+
+def test_an_unknown_field_is_ignored_and_named_in_the_log(caplog):
+    """A misspelt field (``max_token``) is ignored as vLLM ignores it, and named in a WARNING."""
+    from server.request_body import log_ignored_fields
+
+    body = parse_body(b'{"messages": [{"role": "user", "content": "x"}], "max_token": 5}', ChatCompletionRequest,
+                      BodyLimits())
+    with caplog.at_level("WARNING", logger="server.request_body"):
+        log_ignored_fields(body)
+    assert body.max_tokens is None and "'max_token'" in caplog.text
