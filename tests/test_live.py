@@ -39,7 +39,7 @@ def test_a_poll_sends_figures_only_when_the_picture_changed():
         return first, again, newer
 
     first, again, newer = asyncio.run(run())
-    assert set(first["figs"]) == {p.name for p in PANELS} == {"occupancy", "blockmap", "rates"}
+    assert set(first["figs"]) == {p.name for p in PANELS} >= {"occupancy", "blockmap", "rates"}
     assert first["figs"]["occupancy"]["data"] and first["figs"]["blockmap"]["data"]
     assert first["figs"]["rates"] is None  # the rates accordion is closed unless the tab asks
     assert "figs" not in again and again["key"] == first["key"]  # up to date: a few hundred bytes
