@@ -105,7 +105,7 @@ class Panels:
         # one build per 1/max_builds_per_s seconds: evenly spaced, no bursts
         self.throttler = Throttler(rate_limit=1, period=1.0 / max_builds_per_s)
         self._lock: asyncio.Lock | None = None
-        # (window, lang, end) -> (key, snapshots drawn, serialised plots); a few variants, so tabs in two
+        # (window, lang, end) -> (key, what was drawn from, serialised plots); a few variants, so tabs in two
         # languages or at two points of the timeline don't thrash
         self._cache: dict[tuple[int, str, int | None], tuple[PanelKey, FigureInputs, Plots]] = {}
         self._mine: dict[PanelKey, Plots] = {}  # key with ``mine`` -> the plots with that request outlined
