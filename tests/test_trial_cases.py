@@ -8,6 +8,7 @@
 3. A turn that ended (stopped or refused) and was not yet written into the chat when the next message is sent
    is written with its status line and never sent to the model again.
 4. (a new user's trial) A misspelt field, ignored as vLLM ignores it, is named in the log.
+5. A remote stream that ends without ``[DONE]`` or a finish reason is a failed turn, not a finished reply.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
@@ -154,3 +156,32 @@ def test_an_unknown_field_is_ignored_and_named_in_the_log(caplog):
     with caplog.at_level("WARNING", logger="server.request_body"):
         log_ignored_fields(body)
     assert body.max_tokens is None and "'max_token'" in caplog.text
+
+
+def test_a_stream_closed_before_its_end_is_an_error_not_a_reply():
+    """An event stream that ends cleanly but without ``[DONE]`` or a finish reason (a server or proxy that cut
+    it) ends the chat with a RemoteError: the cut text is not a finished reply. A finish reason without
+    ``[DONE]`` is a reply."""
+    import asyncio
+
+    from ui.remote.client import RemoteClient, RemoteError
+
+    def answer(body: bytes):
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/models"):
+                return httpx.Response(200, json={"data": [{"id": "m"}]})
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.MockTransport(handler)
+
+    async def run(body: bytes) -> str:
+        out = ""
+        async for t in RemoteClient("http://x", transport=answer(body)).stream_chat([{"role": "user", "content": "hi"}]):
+            out += t
+        return out
+
+    chunk = b'data: {"choices": [{"delta": {"content": "Hello"}}]}\n\n'
+    with pytest.raises(RemoteError, match="before it was finished"):
+        asyncio.run(run(chunk))
+    done = b'data: {"choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]}\n\n'
+    assert asyncio.run(run(chunk + done)) == "Hello"
+    assert asyncio.run(run(chunk + b"data: [DONE]\n\n")) == "Hello"
