@@ -101,11 +101,17 @@ class RSSSampler:
         return time.monotonic() - self._t0
 
 
+def tiny_server_command(port: int, limit: int) -> list[str]:
+    """The tiny server of ``--tiny`` (:mod:`bench.tiny_server`): a random-weight 2-layer Llama with the default
+    tokenizer, 128 blocks, its 1024-token context, 512 tokens a step, body limit ``limit``; starts in seconds."""
+    return [sys.executable, "-m", "bench.tiny_server", str(port), "--max-model-len", "1024", "--num-blocks", "128",
+            "--max-num-batched-tokens", "512", "--max-body-bytes", str(limit), "--name", "tiny-test"]
+
+
 def server_command(tiny: bool, port: int, limit: int, extra: list[str]) -> list[str]:
     """The command line of the server under test (run from the repository root)."""
     if tiny:
-        return [sys.executable, "-m", "bench.memory_burst", "--serve-tiny", "--port", str(port),
-                "--max-request-body-bytes", str(limit)]
+        return tiny_server_command(port, limit)
     return [sys.executable, "app.py", "--host", HOST, "--port", str(port), "--max-request-body-bytes", str(limit),
             "--log-level", "warning", *extra]
 
@@ -260,23 +266,6 @@ def measure(pid: int, base_url: str, *, bad: int, good: int, limit: int, concurr
             "series": [[round(t, 3), b] for t, b in sampler.series]}
 
 
-def serve_tiny(port: int, limit: int) -> None:
-    """The API alone (no page) on a random-weight 2-layer Llama with the default tokenizer, on
-    127.0.0.1:``port``; runs until interrupted. Starts in seconds: for quick runs and the memory test."""
-    from engine import tiny_random_llama
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.model_loader import load_tokenizer
-    from server import create_api, serve
-
-    tokenizer = load_tokenizer(None)
-    model = tiny_random_llama(len(tokenizer))
-    engine = AsyncEngine(EngineCore(EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
-                                                 max_num_batched_tokens=512), model=model, tokenizer=tokenizer))
-    serve(create_api(engine, "tiny-test", max_body_bytes=limit), host=HOST, port=port, log_level="warning")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.memory_burst", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -296,11 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="environment variable of the server process (repeatable), e.g. MALLOC_ARENA_MAX=2")
     p.add_argument("--json", default=None, help="write the figures and the RSS series to this JSON file")
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--serve-tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.serve_tiny:
-        serve_tiny(args.port, args.max_request_body_bytes)
-        return 0
     port = args.port or free_port()
     log_path = os.path.join(tempfile.gettempdir(), f"memory_burst_server_{port}.log")
     cmd = server_command(args.tiny, port, args.max_request_body_bytes, args.server_arg)

@@ -1,7 +1,7 @@
 """Memory after a burst of large bodies (issue 22): the server's resident set size (RSS) comes back within
 10% of its pre-burst level, measured on the API of a tiny random model served in a separate process on
-127.0.0.1 (``python -m bench.memory_burst --serve-tiny``), with the default 4 MiB body limit; and the unit
-behaviour of :class:`server.memory.MemoryRelease` (what schedules a release, how often it runs).
+127.0.0.1 (``python -m bench.tiny_server``, as ``python -m bench.memory_burst --tiny`` starts it), with the
+default 4 MiB body limit; and the unit behaviour of :class:`server.memory.MemoryRelease` (what schedules a release, how often it runs).
 
 Without the release (``server/memory.py``) the same burst left the tiny server 19% above its
 pre-burst RSS (with it: 2-3%): the bodies stay in reference cycles of the refused requests' exceptions until a rare full
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import sys
 
 import pytest
 
@@ -28,8 +27,7 @@ def test_rss_returns_within_ten_percent_after_a_burst_of_large_bodies(tmp_path):
     its length, malformed JSON, a prompt tokenized then refused) and 10 good requests, 8 in flight."""
     port = mb.free_port()
     limit = mb.DEFAULT_LIMIT
-    proc = mb.start_server([sys.executable, "-m", "bench.memory_burst", "--serve-tiny", "--port", str(port),
-                            "--max-request-body-bytes", str(limit)], port, timeout_s=180,
+    proc = mb.start_server(mb.tiny_server_command(port, limit), port, timeout_s=180,
                            log_path=str(tmp_path / "server.log"))
     try:
         res = mb.measure(proc.pid, f"http://{mb.HOST}:{port}", bad=40, good=10, limit=limit, concurrency=8,
