@@ -15,17 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-BUILD_LINE_EVERY_S = 15.0
-
 
 def pytest_sessionstart(session):
-    """Build the C++ CPU kernels before the first test when this checkout has not built them yet, and say so
-    on the terminal (a line at the start and every 15 s): under ``pytest -q`` the build (minutes on two cores)
-    would otherwise look like a hung first test. A failed build is said too; the tests then run the torch path
-    where the kernels are missing, as the app does."""
+    """Build the C++ CPU kernels before the first test when this checkout has not built them yet, and show the
+    build's own log lines on the terminal (what is compiled and about how long it takes, then a line every 10 s,
+    or the wait for another process's build): under ``pytest -q`` the build (minutes on two cores) would
+    otherwise look like a hung first test. A failed build is said too; the tests then run the torch path where
+    the kernels are missing, as the app does."""
+    import logging
     import sys
-    import threading
-    import time
 
     from kernels import cpu_build, cpu_ops
 
@@ -40,22 +38,21 @@ def pytest_sessionstart(session):
         else:
             print(text, file=sys.stderr, flush=True)
 
-    say(f"building the C++ CPU kernels of this checkout once ({cpu_build.estimate()}); later runs reuse them")
-    done, t0 = threading.Event(), time.monotonic()
+    class Terminal(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            say(record.getMessage())
 
-    def beat() -> None:
-        while not done.wait(BUILD_LINE_EVERY_S):
-            say(f"  still building the C++ CPU kernels ({time.monotonic() - t0:.0f} s)")
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
+    log, handler = logging.getLogger(cpu_build.__name__), Terminal(logging.INFO)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         ok = cpu_ops.available()
     finally:
-        done.set()
-        thread.join()
-    say(f"C++ CPU kernels built in {time.monotonic() - t0:.0f} s" if ok
-        else f"C++ CPU kernels not built ({cpu_ops.unavailable_reason()}); the torch path runs instead")
+        log.removeHandler(handler)
+        log.setLevel(level)
+    if not ok:
+        say(f"C++ CPU kernels not built ({cpu_ops.unavailable_reason()}); the torch path runs instead")
 
 
 @pytest.fixture(scope="session")
